@@ -1,0 +1,1 @@
+"""tslightning: exact gradient streaming (ThunderSyncRL) for agentic RL on Lightning / Fabric."""

@@ -1,0 +1,52 @@
+"""A flat view of the trainable parameters, so gradient statistics are single contiguous vectors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class ParameterLayout:
+    """Fixed order and offsets of the trainable parameters (``requires_grad=True``) of a model.
+
+    Gradient statistics (G1, G2, the batch accumulator) are flat ``(numel,)`` vectors in this order, which keeps
+    their memory exactly ``numel`` values each and makes the App. D.3 bound easy to state and check.
+    """
+
+    def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        self.parameters: list[torch.nn.Parameter] = [p for p in parameters if p.requires_grad]
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to stream")
+        self.numel = sum(p.numel() for p in self.parameters)
+        self._slices: list[slice] = []
+        offset = 0
+        for p in self.parameters:
+            self._slices.append(slice(offset, offset + p.numel()))
+            offset += p.numel()
+
+    def zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new flat zero vector on the host (where the paper keeps FP32 statistics, App. D.3)."""
+        return torch.zeros(self.numel, dtype=dtype, device="cpu")
+
+    def add_(self, flat: torch.Tensor, grads: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
+        """``flat += alpha * grads`` where ``grads`` follows :attr:`parameters` (as from ``torch.autograd.grad``)."""
+        for s, g in zip(self._slices, grads, strict=True):
+            flat[s].add_(g.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype), alpha=alpha)
+
+    def write_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
+        """Set every parameter's ``.grad`` to ``scale * flat[its slice]`` in the parameter's dtype and device."""
+        for p, s in zip(self.parameters, self._slices, strict=True):
+            p.grad = (flat[s] * scale).view_as(p).to(device=p.device, dtype=p.dtype)
+
+    def read_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """The parameters' current ``.grad`` as one flat vector (zeros where a grad is None)."""
+        flat = self.zeros(dtype)
+        for p, s in zip(self.parameters, self._slices, strict=True):
+            if p.grad is not None:
+                flat[s] = p.grad.detach().reshape(-1).to(device="cpu", dtype=dtype)
+        return flat
+
+    def values(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The parameters themselves as one flat host vector (for parameter gaps, Eq. 30)."""
+        return torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=dtype) for p in self.parameters])

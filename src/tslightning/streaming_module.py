@@ -1,0 +1,348 @@
+"""The streaming GRPO/OPD LightningModule: per-source backward, exact accumulators, one step per logical batch.
+
+Data path (Algorithm 1): a :class:`~tslightning.batch_registry.BatchPlan` opens update k; sources and completion
+events arrive in readiness order through :meth:`StreamingPolicyModule.ingest`; under the ``thundersync`` schedule
+each source's backward runs at once and is folded into exact running statistics (Eq. 7 for GRPO, Eq. 9's
+numerator for OPD); :meth:`StreamingPolicyModule.barrier` then reduces across ranks, normalizes, clips the global
+norm and takes exactly one AdamW step (Eq. 3). Under the ``sync`` schedule the same module stores the sources and
+computes the whole batch at the barrier with one padded, batched objective — the batch-synchronous baseline.
+
+All gradients are taken at the fixed snapshot θ_k: nothing mutates parameters between :meth:`begin_batch` and the
+barrier. Context gradients are exact because every source recomputes its full causal context (prompt and earlier
+turns); learner cost per source is one forward and backward over all of ``token_ids``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from tslightning.advantages import (
+    GRPO_EPSILON,
+    AdvantageEstimator,
+    advantage_scale,
+    group_advantages,
+    group_mean,
+    is_uniform,
+)
+from tslightning.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.group_accumulator import GroupAccumulator, GroupReduction
+from tslightning.group_admission import GroupAdmission
+from tslightning.parameter_layout import ParameterLayout
+from tslightning.scored_logprobs import batched_scored_logprobs, scored_logprobs
+from tslightning.sources import (
+    BatchClosed,
+    GroupClosed,
+    PolicyVersionError,
+    Source,
+    SourceError,
+    StreamItem,
+    TrajectorySource,
+    TurnSource,
+)
+from tslightning.turn_accumulator import TurnAccumulator
+
+
+class Schedule(StrEnum):
+    """When learner work runs inside one update; both are zero-staleness (SPEC §3)."""
+
+    SYNC = "sync"
+    THUNDERSYNC = "thundersync"
+
+
+@dataclass
+class OptimizerSettings:
+    """AdamW as in Table 5 (full fine-tuning; use lr=1e-5 for LoRA)."""
+
+    lr: float = 1e-6
+    """Learning rate, constant (no schedule, no warm-up)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class UpdateResult:
+    """What one barrier did.
+
+    Attributes:
+        policy_version: k + 1, the version of the parameters after the step.
+        direction_norm: Global L2 norm of the batch direction g_k before clipping.
+        clip_coefficient: Factor clipping applied (1.0 when the norm was within ``max_grad_norm``).
+        num_sources: Sources folded into the update (on this rank).
+        num_scored_tokens: Scored action tokens (OPD: the global N_k of Eq. 9).
+        groups: GRPO group reductions in the order they closed (empty for OPD).
+        peak_held_numel: Peak accumulator values held on this rank during the update (App. D.3).
+    """
+
+    policy_version: int
+    direction_norm: float
+    clip_coefficient: float
+    num_sources: int
+    num_scored_tokens: int
+    groups: list[GroupReduction] = field(default_factory=list)
+    peak_held_numel: int = 0
+
+
+class StreamingPolicyModule(L.LightningModule):
+    """Exact gradient streaming for GRPO and OPD on any causal LM (full fine-tuning or a peft LoRA model).
+
+    Args:
+        policy: A causal LM (``transformers`` model, optionally wrapped by peft); its parameters with
+            ``requires_grad=True`` are trained and sized the statistics.
+        objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
+        schedule: ``thundersync`` streams each source's backward at ingestion; ``sync`` runs all learner work
+            at the barrier (the batch-synchronous baseline).
+        advantage: Group-relative advantage for GRPO (see :mod:`tslightning.advantages`).
+        advantage_epsilon: ε of Eq. 6.
+        max_grad_norm: Global-norm clipping threshold applied to the batch direction (Table 5: 1.0).
+        group_admission_cap: Per-rank cap k on GRPO groups holding statistics (App. D.3); ``None`` for no cap.
+        optimizer: AdamW settings used by :meth:`configure_optimizers`.
+        accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
+        sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        objective: Objective = Objective.GRPO,
+        schedule: Schedule = Schedule.THUNDERSYNC,
+        advantage: AdvantageEstimator = AdvantageEstimator.GRPO,
+        advantage_epsilon: float = GRPO_EPSILON,
+        max_grad_norm: float = 1.0,
+        group_admission_cap: int | None = None,
+        optimizer: OptimizerSettings | None = None,
+        accumulator_dtype: torch.dtype | None = None,
+        sync_micro_batch_size: int = 8,
+    ) -> None:
+        super().__init__()
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 (Table 5 uses 1.0); got {max_grad_norm}")
+        if sync_micro_batch_size < 1:
+            raise ValueError(f"sync_micro_batch_size must be >= 1; got {sync_micro_batch_size}")
+        self.automatic_optimization = False
+        self.policy = policy
+        self.objective = Objective(objective)
+        self.schedule = Schedule(schedule)
+        self.advantage = AdvantageEstimator(advantage)
+        self.advantage_epsilon = advantage_epsilon
+        self.max_grad_norm = max_grad_norm
+        self.optimizer_settings = optimizer or OptimizerSettings()
+        self.sync_micro_batch_size = sync_micro_batch_size
+        self.policy_version = 0
+        self.num_optimizer_steps = 0
+        self.layout = ParameterLayout(policy.parameters())
+        dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
+        self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
+        self.turns = TurnAccumulator(self.layout, dtype)
+        self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
+        self.last_direction: torch.Tensor | None = None
+        self._registry: BatchRegistry | None = None
+        self._held_sources: list[Source] = []  # sync schedule: sources waiting for the barrier
+        self._reductions: list[GroupReduction] = []
+        self._num_sources = 0
+        self._num_scored_tokens = 0
+
+    # ----------------------------------------------------------------- the stream
+    def begin_batch(self, plan: BatchPlan) -> None:
+        """Register logical batch B_k (Algorithm 1, line 3) at the current snapshot θ_k."""
+        if self._registry is not None:
+            raise SourceError(f"BatchPlan for version {plan.policy_version} while batch {self.policy_version} is open")
+        if plan.policy_version != self.policy_version:
+            raise PolicyVersionError(
+                f"BatchPlan.policy_version is {plan.policy_version} but the learner holds θ_{self.policy_version}"
+            )
+        if plan.objective is not self.objective:
+            raise SourceError(
+                f"BatchPlan.objective is {plan.objective.value}; this module trains {self.objective.value}"
+            )
+        small = {g: m for g, m in plan.group_sizes.items() if m < self.advantage.min_group_size}
+        if self.objective is Objective.GRPO and small:
+            raise SourceError(
+                f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
+                f">= {self.advantage.min_group_size} trajectories per group"
+            )
+        self._registry = BatchRegistry(plan)
+
+    def ingest(self, item: StreamItem | BatchPlan) -> None:
+        """Accept one ready source or completion event; under ``thundersync`` its learner work runs now.
+
+        A rejected item raises :class:`SourceError` before any state changes.
+        """
+        if isinstance(item, BatchPlan):
+            self.begin_batch(item)
+            return
+        registry = self._require_registry()
+        registry.check(item)
+        if isinstance(item, TrajectorySource | TurnSource):
+            self._check_token_range(item)
+        registry.record(item)
+        if isinstance(item, TrajectorySource | TurnSource):
+            self._num_sources += 1
+            self._num_scored_tokens += item.num_scored
+        if self.schedule is Schedule.SYNC:
+            if isinstance(item, TrajectorySource | TurnSource):
+                self._held_sources.append(item)
+            return
+        if self.objective is Objective.OPD:
+            if isinstance(item, TurnSource):
+                self._fold_turn(item)
+            return
+        if isinstance(item, TrajectorySource | GroupClosed):
+            work = deque(self.admission.offer(item.group_id, item))
+            while work:
+                admitted = work.popleft()
+                if isinstance(admitted, GroupClosed):
+                    self._reductions.append(self.groups.close(admitted.group_id))
+                    work.extend(self.admission.release(admitted.group_id))
+                else:
+                    self._fold_trajectory(admitted)
+
+    def barrier(self, optimizer: torch.optim.Optimizer) -> UpdateResult:
+        """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}."""
+        registry = self._require_registry()
+        registry.require_complete()
+        if self.schedule is Schedule.SYNC:
+            self._compute_sync_direction(registry.plan)
+        direction, num_tokens = self._reduced_direction()
+        self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
+        norm = torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result = UpdateResult(
+            policy_version=self.policy_version + 1,
+            direction_norm=float(norm),
+            clip_coefficient=min(1.0, self.max_grad_norm / (float(norm) + 1e-6)),
+            num_sources=self._num_sources,
+            num_scored_tokens=num_tokens,
+            groups=list(self._reductions),
+            peak_held_numel=self.groups.peak_held_numel if self.objective is Objective.GRPO else self.turns.held_numel,
+        )
+        self.last_direction = direction
+        self.policy_version += 1
+        self.num_optimizer_steps += 1
+        self._reset_batch()
+        return result
+
+    # ----------------------------------------------------------------- Lightning hooks
+    def training_step(self, batch: StreamItem | BatchPlan, batch_idx: int) -> UpdateResult | None:
+        """One stream item per step; the barrier runs when BatchClosed arrives (Trainer or Fabric loops)."""
+        self.ingest(batch)
+        if isinstance(batch, BatchClosed):
+            return self.barrier(self.optimizers())
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        s = self.optimizer_settings
+        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+
+    # ----------------------------------------------------------------- per-source learner work (thundersync)
+    def _fold_trajectory(self, source: TrajectorySource) -> None:
+        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1); fold into its group's G1/G2 (Eq. 7)."""
+        plan = self._registry.plan
+        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+        score = logp.sum() / (plan.num_prompts * source.num_scored)
+        grads = torch.autograd.grad(score, self.layout.parameters, allow_unused=True)
+        grads = self._fill_unused(grads)
+        self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+
+    def _fold_turn(self, source: TurnSource) -> None:
+        """g_j = Σ_t A_{j,t} ∇ log π_θ(a_{j,t}|h_{j,t}) with A detached (Eq. 8); unnormalized until the barrier."""
+        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+        advantage = source.teacher_logprobs.to(logp) - logp.detach()
+        grads = torch.autograd.grad((advantage * logp).sum(), self.layout.parameters, allow_unused=True)
+        self.turns.add(self._fill_unused(grads), source.num_scored)
+
+    # ----------------------------------------------------------------- batch-synchronous learner work (sync)
+    def _compute_sync_direction(self, plan: BatchPlan) -> None:
+        """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
+        sources = sorted(self._held_sources, key=_source_key)
+        if self.objective is Objective.GRPO:
+            coefficients = self._sync_trajectory_coefficients(sources, plan)
+        for start in range(0, len(sources), self.sync_micro_batch_size):
+            chunk = sources[start : start + self.sync_micro_batch_size]
+            logps = batched_scored_logprobs(self.policy, [s.token_ids for s in chunk], [s.scored_mask for s in chunk])
+            if self.objective is Objective.GRPO:
+                objective = sum(c * lp.sum() for c, lp in zip(coefficients[start:], logps, strict=False))
+                grads = torch.autograd.grad(objective, self.layout.parameters, allow_unused=True)
+                self.layout.add_(self.groups.batch, self._fill_unused(grads))
+            else:
+                # App. I.2's loss form: ratio = exp(logp − logp.detach()) has the gradient of Eq. 8.
+                objective = sum(
+                    (torch.exp(lp - lp.detach()) * (s.teacher_logprobs.to(lp) - lp.detach())).sum()
+                    for s, lp in zip(chunk, logps, strict=True)
+                )
+                grads = torch.autograd.grad(objective, self.layout.parameters, allow_unused=True)
+                self.turns.add(self._fill_unused(grads), sum(s.num_scored for s in chunk))
+
+    def _sync_trajectory_coefficients(self, sources: list[TrajectorySource], plan: BatchPlan) -> list[float]:
+        """Per-trajectory weight A_i / (m · P · L_i) of the batch objective, with batch-form advantages (Eq. 6)."""
+        by_group: dict[str, list[TrajectorySource]] = {}
+        for s in sources:
+            by_group.setdefault(s.group_id, []).append(s)
+        weights: dict[tuple[str, int], float] = {}
+        for group_id, members in by_group.items():
+            rewards = [s.reward for s in members]
+            advantages = group_advantages(rewards, self.advantage, self.advantage_epsilon)
+            for s, a in zip(members, advantages.tolist(), strict=True):
+                weights[(group_id, s.trajectory_index)] = a / (len(members) * plan.num_prompts * s.num_scored)
+            uniform = is_uniform(rewards)
+            scale = 0.0 if uniform else advantage_scale(rewards, self.advantage, self.advantage_epsilon)
+            self._reductions.append(GroupReduction(group_id, tuple(rewards), group_mean(rewards), scale, uniform))
+        return [weights[(s.group_id, s.trajectory_index)] for s in sources]
+
+    # ----------------------------------------------------------------- barrier pieces
+    def _reduced_direction(self) -> tuple[torch.Tensor, int]:
+        """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
+        if self.objective is Objective.GRPO:
+            return _all_reduce_sum(self.groups.batch.clone()), self._num_scored_tokens
+        total = _all_reduce_sum(self.turns.total.clone())
+        count = int(_all_reduce_sum(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
+        if count == 0:
+            raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
+        return total / count, count
+
+    def _reset_batch(self) -> None:
+        self._registry = None
+        self._held_sources = []
+        self._reductions = []
+        self._num_sources = 0
+        self._num_scored_tokens = 0
+        self.groups.reset()
+        self.turns.reset()
+        self.admission.reset()
+
+    def _require_registry(self) -> BatchRegistry:
+        if self._registry is None:
+            raise SourceError(
+                f"no logical batch is open at version {self.policy_version}; ingest a BatchPlan before its sources"
+            )
+        return self._registry
+
+    def _check_token_range(self, source: Source) -> None:
+        vocab = self.policy.get_input_embeddings().num_embeddings
+        top = int(source.token_ids.max())
+        if top >= vocab:
+            raise SourceError(
+                f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "
+                "the rollout engine and learner must share one tokenizer"
+            )
+
+    def _fill_unused(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.layout.parameters, grads, strict=True)]
+
+
+def _source_key(source: Source) -> tuple:
+    return (source.group_id, source.trajectory_index, getattr(source, "turn_index", 0))
+
+
+def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over learner ranks (one collective at the barrier); identity on a single process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
