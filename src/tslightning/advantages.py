@@ -70,7 +70,8 @@ def advantage_scale(rewards: Sequence[float], estimator: AdvantageEstimator, eps
             f"advantage estimator {estimator.value!r} needs groups of >= {estimator.min_group_size}; got {m}"
         )
     mu = group_mean(rewards)
-    squared = math.fsum((r - mu) ** 2 for r in rewards)
+    # A uniform group's mean can round off its common value; its spread is exactly zero.
+    squared = 0.0 if is_uniform(rewards) else math.fsum((r - mu) ** 2 for r in rewards)
     if estimator is AdvantageEstimator.GRPO:
         return 1.0 / (math.sqrt(squared / m) + eps)
     if estimator is AdvantageEstimator.GRPO_SAMPLE:

@@ -22,6 +22,7 @@ from tslightning.sources import (
     TrajectoryClosed,
     TrajectorySource,
     TurnSource,
+    check_int,
 )
 
 
@@ -52,9 +53,12 @@ class BatchPlan:
     def __post_init__(self) -> None:
         if not self.group_sizes:
             raise SourceError("BatchPlan.group_sizes is empty; register every group of the logical batch")
-        bad = {g: m for g, m in self.group_sizes.items() if not isinstance(m, int) or m < 1}
+        check_int("BatchPlan", "policy_version", self.policy_version)
+        bad = {g: m for g, m in self.group_sizes.items() if not isinstance(m, int) or isinstance(m, bool) or m < 1}
         if bad:
             raise SourceError(f"BatchPlan.group_sizes must map each group id to an int >= 1; bad entries: {bad}")
+        if self.global_num_prompts is not None:
+            check_int("BatchPlan", "global_num_prompts", self.global_num_prompts, minimum=1)
         if self.global_num_prompts is not None and self.global_num_prompts < len(self.group_sizes):
             raise SourceError(
                 f"BatchPlan.global_num_prompts={self.global_num_prompts} is below this rank's {len(self.group_sizes)} "

@@ -18,7 +18,7 @@ class GroupAdmission(Generic[Item]):
     """Admit work items per group, at most ``cap`` groups open at once (``cap=None``: unbounded)."""
 
     def __init__(self, cap: int | None = None) -> None:
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise ValueError(f"group_admission_cap must be None (no cap) or an int >= 1; got {cap!r}")
         self.cap = cap
         self.open: set[str] = set()

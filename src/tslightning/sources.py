@@ -50,9 +50,23 @@ def _check_tokens(kind: str, token_ids: torch.Tensor, scored_mask: torch.Tensor)
         raise SourceError(f"{kind}.scored_mask[0] is True; the first token has no causal context and cannot be scored")
 
 
+def check_int(kind: str, name: str, value: object, minimum: int = 0) -> None:
+    """Raise :class:`SourceError` naming ``kind.name`` unless ``value`` is an int (not a bool) >= ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SourceError(f"{kind}.{name} must be an int >= {minimum}; got {value!r}")
+
+
 def _check_version(kind: str, policy_version: int) -> None:
-    if not isinstance(policy_version, int) or isinstance(policy_version, bool) or policy_version < 0:
-        raise SourceError(f"{kind}.policy_version must be a non-negative int; got {policy_version!r}")
+    check_int(kind, "policy_version", policy_version)
+
+
+def _is_finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _describe(value: object) -> str:
@@ -87,12 +101,15 @@ class TrajectorySource:
     def __post_init__(self) -> None:
         _check_tokens("TrajectorySource", self.token_ids, self.scored_mask)
         _check_version("TrajectorySource", self.policy_version)
-        if not isinstance(self.reward, (int, float)) or isinstance(self.reward, bool) or not math.isfinite(self.reward):
+        if not _is_finite_number(self.reward):
             raise SourceError(f"TrajectorySource.reward must be a finite number; got {self.reward!r}")
-        if not isinstance(self.trajectory_index, int) or self.trajectory_index < 0:
-            raise SourceError(f"TrajectorySource.trajectory_index must be an int >= 0; got {self.trajectory_index!r}")
+        check_int("TrajectorySource", "trajectory_index", self.trajectory_index)
         length = self.token_ids.numel()
-        if not isinstance(self.prompt_length, int) or not 1 <= self.prompt_length < length:
+        if (
+            not isinstance(self.prompt_length, int)
+            or isinstance(self.prompt_length, bool)
+            or not 1 <= self.prompt_length < length
+        ):
             raise SourceError(
                 f"TrajectorySource.prompt_length must be an int in [1, {length}) (the shared prompt's token count); "
                 f"got {self.prompt_length!r}"
@@ -133,10 +150,8 @@ class TurnSource:
     def __post_init__(self) -> None:
         _check_tokens("TurnSource", self.token_ids, self.scored_mask)
         _check_version("TurnSource", self.policy_version)
-        for name in ("trajectory_index", "turn_index"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise SourceError(f"TurnSource.{name} must be an int >= 0; got {value!r}")
+        check_int("TurnSource", "trajectory_index", self.trajectory_index)
+        check_int("TurnSource", "turn_index", self.turn_index)
         logprobs = self.teacher_logprobs
         if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 1 or not logprobs.is_floating_point():
             raise SourceError(f"TurnSource.teacher_logprobs must be a 1-D float tensor; got {_describe(logprobs)}")
@@ -168,6 +183,11 @@ class TrajectoryClosed:
     group_id: str
     trajectory_index: int
     num_turn_sources: int
+
+    def __post_init__(self) -> None:
+        check_int("TrajectoryClosed", "trajectory_index", self.trajectory_index)
+        # Every turn generates at least one token, so a finished trajectory emitted at least one turn source.
+        check_int("TrajectoryClosed", "num_turn_sources", self.num_turn_sources, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,53 @@
+"""Shared fixtures: the tiny real transformer (built offline) in the dtypes the exactness tests need."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from tslightning.precision import compute_norms_in_float64
+from tslightning.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def _base_policy(tokenizer):
+    return build_tiny_model(TinyModelConfig(seed=0), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def _base_teacher(tokenizer):
+    return build_tiny_model(TinyModelConfig(seed=1), tokenizer)
+
+
+def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    model = copy.deepcopy(model).to(dtype)
+    if dtype == torch.float64:
+        compute_norms_in_float64(model)
+    return model
+
+
+@pytest.fixture
+def make_policy(_base_policy):
+    """``make_policy(dtype)``: a fresh copy of θ_0 in ``dtype`` (float64 with float64 norms)."""
+    return lambda dtype=torch.float64: _in_dtype(_base_policy, dtype)
+
+
+@pytest.fixture(scope="session")
+def teacher64(_base_teacher):
+    return _in_dtype(_base_teacher, torch.float64)
+
+
+@pytest.fixture(scope="session")
+def vocab_size(_base_policy):
+    return _base_policy.config.vocab_size
