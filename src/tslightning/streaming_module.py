@@ -142,6 +142,7 @@ class StreamingPolicyModule(L.LightningModule):
         self.turns = TurnAccumulator(self.layout, dtype)
         self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
         self.last_direction: torch.Tensor | None = None
+        self.last_update: UpdateResult | None = None
         self._registry: BatchRegistry | None = None
         self._held_sources: list[Source] = []  # sync schedule: sources waiting for the barrier
         self._reductions: list[GroupReduction] = []
@@ -187,21 +188,22 @@ class StreamingPolicyModule(L.LightningModule):
             self._num_scored_tokens += item.num_scored
         if self.schedule is Schedule.SYNC:
             if isinstance(item, TrajectorySource | TurnSource):
-                self._held_sources.append(item)
-            return
-        if self.objective is Objective.OPD:
-            if isinstance(item, TurnSource):
-                self._fold_turn(item)
-            return
-        if isinstance(item, TrajectorySource | GroupClosed):
-            work = deque(self.admission.offer(item.group_id, item))
-            while work:
-                admitted = work.popleft()
-                if isinstance(admitted, GroupClosed):
-                    self._reductions.append(self.groups.close(admitted.group_id))
-                    work.extend(self.admission.release(admitted.group_id))
-                else:
-                    self._fold_trajectory(admitted)
+                self._held_sources.append(item)  # the batch-synchronous learner starts at the barrier
+        elif isinstance(item, TurnSource):
+            self._fold_turn(item)
+        elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
+            self._admit_grpo(item)
+
+    def _admit_grpo(self, item: TrajectorySource | GroupClosed) -> None:
+        """Run GRPO work in readiness order, holding back groups beyond the admission cap (App. D.3)."""
+        work = deque(self.admission.offer(item.group_id, item))
+        while work:
+            admitted = work.popleft()
+            if isinstance(admitted, GroupClosed):
+                self._reductions.append(self.groups.close(admitted.group_id))
+                work.extend(self.admission.release(admitted.group_id))
+            else:
+                self._fold_trajectory(admitted)
 
     def barrier(self, optimizer: torch.optim.Optimizer) -> UpdateResult:
         """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}."""
@@ -230,12 +232,26 @@ class StreamingPolicyModule(L.LightningModule):
         return result
 
     # ----------------------------------------------------------------- Lightning hooks
-    def training_step(self, batch: StreamItem | BatchPlan, batch_idx: int) -> UpdateResult | None:
-        """One stream item per step; the barrier runs when BatchClosed arrives (Trainer or Fabric loops)."""
+    def training_step(self, batch: StreamItem | BatchPlan, batch_idx: int) -> None:
+        """One stream item per step; the barrier runs when BatchClosed arrives (Trainer or Fabric loops).
+
+        The barrier's :class:`UpdateResult` is kept in :attr:`last_update` and logged when a Trainer or Fabric
+        is attached.
+        """
         self.ingest(batch)
-        if isinstance(batch, BatchClosed):
-            return self.barrier(self.optimizers())
-        return None
+        if not isinstance(batch, BatchClosed):
+            return
+        self.last_update = self.barrier(self.optimizers())
+        if self._trainer is not None or self._fabric is not None:
+            update = self.last_update
+            metrics = {
+                "actor/grad_norm": update.direction_norm,
+                "actor/clip_coefficient": update.clip_coefficient,
+                "actor/num_sources": float(update.num_sources),
+                "actor/num_scored_tokens": float(update.num_scored_tokens),
+                "actor/policy_version": float(update.policy_version),
+            }
+            self.log_dict(metrics, batch_size=1, on_step=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         s = self.optimizer_settings
