@@ -277,6 +277,9 @@ class StreamingPolicyModule(L.LightningModule):
     # ----------------------------------------------------------------- batch-synchronous learner work (sync)
     def _compute_sync_direction(self, plan: BatchPlan) -> None:
         """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
+        self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
+        self.turns.reset()
+        self._reductions = []
         sources = sorted(self._held_sources, key=_source_key)
         if self.objective is Objective.GRPO:
             coefficients = self._sync_trajectory_coefficients(sources, plan)
