@@ -253,6 +253,11 @@ class StreamingPolicyModule(L.LightningModule):
             }
             self.log_dict(metrics, batch_size=1, on_step=True)
 
+    def transfer_batch_to_device(self, batch: StreamItem | BatchPlan, device: torch.device, dataloader_idx: int):
+        """Stream items pass through unchanged: they are frozen records, and each source's tokens move to the
+        policy's device inside its own forward (so held sync sources and queued sources stay on the host)."""
+        return batch
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         s = self.optimizer_settings
         return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
