@@ -1,0 +1,94 @@
+"""The rollout engine interface shared by the HF and vLLM engines (SPEC §3, App. D.2).
+
+An engine turns :class:`GenerationRequest` s into :class:`Generation` s with the exact sampled token ids and their
+log-probabilities under the serving policy, stamped with that policy's version. Requests are submitted one at a
+time and answered through futures, so many trajectories can wait on generation (or on their tools) concurrently
+while the engine batches whatever is pending. :meth:`RolloutEngine.publish` installs θ_{k+1} on every replica and
+returns only once each has acknowledged, after clearing policy-dependent caches (prefix / KV).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+
+def sampling_seed(run_seed: int, update: int, task_id: str, trajectory: int, turn: int) -> int:
+    """A 63-bit sampling seed from (run seed, update, task, trajectory, turn), never from arrival order (App. D.2)."""
+    key = f"{run_seed}/{update}/{task_id}/{trajectory}/{turn}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One assistant turn to sample.
+
+    Attributes:
+        request_id: Caller-chosen id, echoed in the :class:`Generation`.
+        prompt_token_ids: The full causal context as token ids (never re-tokenized by the engine).
+        max_tokens: Most tokens to generate (Table 6: 1,024 per turn, less if the trajectory budget is lower).
+        seed: Sampling seed (see :func:`sampling_seed`).
+        temperature: Sampling temperature (Table 6: 1.0; top-p 1.0, top-k disabled).
+        stop_token_ids: Generation stops after emitting any of these (the chat template's end-of-turn token).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    seed: int
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What the engine sampled for one request.
+
+    Attributes:
+        token_ids: The sampled ids, including the stop token when one ended the turn.
+        logprobs: log π_θk of each sampled id under the sampling distribution, ``len(logprobs) == len(token_ids)``.
+        finish_reason: ``stop`` (a stop token) or ``length`` (``max_tokens`` reached).
+        policy_version: Version k of the weights that sampled every token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: Literal["stop", "length"]
+    policy_version: int
+    timing: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PublishReceipt:
+    """Acknowledgement that every replica serves ``policy_version`` (caches cleared)."""
+
+    policy_version: int
+    replicas: int
+    seconds: float
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the agent loop and the learner need from a rollout engine."""
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights every replica serves now."""
+
+    def submit(self, request: GenerationRequest) -> Future[Generation]:
+        """Queue one request; the future resolves to its :class:`Generation`."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Blocking convenience: submit all, wait for all, in request order."""
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
+        """Install new weights on every replica; returns after every replica acknowledged ``policy_version``."""
+
+    def close(self) -> None:
+        """Stop replicas and free their resources."""
