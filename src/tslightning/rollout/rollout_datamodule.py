@@ -1,0 +1,233 @@
+"""The rollout DataModule: runs each update's attempts and yields objective sources in readiness order.
+
+For update k it registers the logical batch (:class:`~tslightning.batch_registry.BatchPlan` at the engine's current
+policy version), starts every attempt concurrently on a background event loop, and yields — in the order they
+become ready — GRPO trajectory sources (when their reward arrives) or OPD turn sources (when the teacher has scored
+them), the completion events, and finally ``BatchClosed``. Each item's ready time and policy version are recorded
+in :attr:`RolloutDataModule.ready_log` (the release trace's τ_j, App. B).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from tslightning.batch_registry import BatchPlan, Objective
+from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
+from tslightning.rollout.engine import RolloutEngine
+from tslightning.rollout.teacher import TeacherScorer
+from tslightning.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
+
+
+class RolloutTask(Protocol):
+    """What the DataModule needs of a task: an id and the instruction the agent sees."""
+
+    task_id: str
+    instruction: str
+
+
+AttemptFactory = Callable[[RolloutTask], AbstractContextManager[TaskAttempt]]
+"""Opens a fresh environment for one attempt of a task (sandbox + verifier) and cleans it up afterwards."""
+
+
+@dataclass(frozen=True)
+class ReadyRecord:
+    """When one stream item became ready, relative to the update's first rollout request (seconds)."""
+
+    update: int
+    kind: str
+    group_id: str | None
+    trajectory_index: int | None
+    turn_index: int | None
+    policy_version: int
+    ready_time: float
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Yields ready sources of each update as they arrive.
+
+    Args:
+        engine: The rollout engine; its ``policy_version`` stamps each logical batch.
+        tokenizer: The policy's tokenizer.
+        tasks: Training tasks; each update takes ``prompts_per_update`` of them in a seeded order.
+        attempt_factory: Opens a fresh sandboxed attempt of a task.
+        objective: ``grpo`` (trajectory sources) or ``opd`` (teacher-scored turn sources).
+        prompts_per_update: P, prompts (groups) per logical batch.
+        samples_per_prompt: m, trajectories per prompt.
+        limits: Agent limits (Table 6).
+        teacher: Required for OPD: scores each turn as soon as its action is fixed.
+        run_seed: Seeds task order and sampling.
+        updates: How many updates ``train_dataloader`` yields (``None``: until stopped).
+        max_concurrent_attempts: Attempts in flight at once (tools and generation of the others overlap).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer,
+        tasks: Sequence[RolloutTask],
+        attempt_factory: AttemptFactory,
+        objective: Objective = Objective.GRPO,
+        prompts_per_update: int = 32,
+        samples_per_prompt: int = 8,
+        limits: AgentLimits | None = None,
+        teacher: TeacherScorer | None = None,
+        run_seed: int = 0,
+        updates: int | None = None,
+        max_concurrent_attempts: int = 16,
+    ) -> None:
+        super().__init__()
+        self.objective = Objective(objective)
+        problems = []
+        if not tasks:
+            problems.append("tasks is empty: give at least one training task")
+        if prompts_per_update < 1 or samples_per_prompt < 1:
+            problems.append("prompts_per_update and samples_per_prompt must be >= 1")
+        if self.objective is Objective.OPD and teacher is None:
+            problems.append("objective 'opd' needs a teacher (TeacherScorer) to score turns")
+        if max_concurrent_attempts < 1:
+            problems.append("max_concurrent_attempts must be >= 1")
+        if problems:
+            raise ValueError("RolloutDataModule: " + "; ".join(problems))
+        self.engine = engine
+        self.tasks = list(tasks)
+        self.attempt_factory = attempt_factory
+        self.prompts_per_update = prompts_per_update
+        self.samples_per_prompt = samples_per_prompt
+        self.agent = AgentLoop(engine, tokenizer, limits, run_seed)
+        self.teacher = teacher
+        self.run_seed = run_seed
+        self.updates = updates
+        self.max_concurrent_attempts = max_concurrent_attempts
+        self.ready_log: list[ReadyRecord] = []
+        self.trajectories: dict[int, list[AgentTrajectory]] = {}
+
+    def tasks_for_update(self, update: int) -> list[RolloutTask]:
+        """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
+        chosen = []
+        for slot in range(update * self.prompts_per_update, (update + 1) * self.prompts_per_update):
+            epoch, position = divmod(slot, len(self.tasks))
+            order = list(range(len(self.tasks)))
+            random.Random(f"{self.run_seed}/{epoch}").shuffle(order)
+            chosen.append(self.tasks[order[position]])
+        return chosen
+
+    def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
+        """Run update ``update``'s rollouts; yield its plan, then items in readiness order, ending with BatchClosed."""
+        version = self.engine.policy_version
+        tasks = {f"u{update}/p{p}/{task.task_id}": task for p, task in enumerate(self.tasks_for_update(update))}
+        yield BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks})
+        ready: queue.Queue = queue.Queue()
+        start = time.perf_counter()
+        producer = threading.Thread(
+            target=self._produce, args=(update, version, tasks, ready, start), name=f"rollout-u{update}", daemon=True
+        )
+        producer.start()
+        while True:
+            item = ready.get()
+            if isinstance(item, _Failure):
+                producer.join()
+                raise RuntimeError(f"rollout of update {update} failed: {item.error}") from item.error
+            yield item
+            if isinstance(item, BatchClosed):
+                producer.join()
+                return
+
+    def train_dataloader(self) -> DataLoader:
+        """Stream items one per step (``batch_size=None``); pair with ``StreamingPolicyModule.training_step``."""
+        return DataLoader(_UpdateStream(self), batch_size=None, num_workers=0)
+
+    # ------------------------------------------------------------------ producer side (background event loop)
+    def _produce(self, update: int, version: int, tasks: dict, ready: queue.Queue, start: float) -> None:
+        def emit(item: StreamItem) -> None:
+            self._record(update, item, version, time.perf_counter() - start)
+            ready.put(item)
+
+        try:
+            trajectories = asyncio.run(self._rollout(update, tasks, emit))
+            self.trajectories[update] = trajectories
+            emit(BatchClosed(version))
+        except BaseException as error:  # surfaced in the consumer, never swallowed
+            ready.put(_Failure(error))
+
+    async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
+        gate = asyncio.Semaphore(self.max_concurrent_attempts)
+
+        async def group(group_id: str, task: RolloutTask) -> list[AgentTrajectory]:
+            members = await asyncio.gather(
+                *(self._attempt(update, group_id, task, i, gate, emit) for i in range(self.samples_per_prompt))
+            )
+            emit(GroupClosed(group_id))
+            return members
+
+        groups = await asyncio.gather(*(group(g, task) for g, task in tasks.items()))
+        return [t for members in groups for t in members]
+
+    async def _attempt(
+        self, update: int, group_id: str, task: RolloutTask, index: int, gate: asyncio.Semaphore, emit
+    ) -> AgentTrajectory:
+        scoring: list[asyncio.Task] = []
+        loop = asyncio.get_running_loop()
+
+        def on_turn(trajectory: AgentTrajectory, turn: AgentTurn) -> None:
+            if self.objective is Objective.OPD:
+                scoring.append(loop.create_task(self._score_turn(trajectory, turn, emit)))
+
+        async with gate:
+            with self.attempt_factory(task) as attempt:
+                trajectory = await self.agent.run(
+                    task.task_id, task.instruction, attempt, group_id, index, update, on_turn
+                )
+        if self.objective is Objective.GRPO:
+            emit(trajectory.trajectory_source())
+        else:
+            await asyncio.gather(*scoring)
+            emit(TrajectoryClosed(group_id, index, len(trajectory.turns)))
+        return trajectory
+
+    async def _score_turn(self, trajectory: AgentTrajectory, turn: AgentTurn, emit) -> None:
+        token_ids = trajectory.token_ids(through_turn=turn.index)
+        mask = trajectory.scored_mask(only_turn=turn.index)
+        logprobs = await asyncio.wrap_future(self.teacher.submit(token_ids, mask))
+        emit(trajectory.turn_source(turn.index, logprobs))
+
+    def _record(self, update: int, item: StreamItem, version: int, ready_time: float) -> None:
+        self.ready_log.append(
+            ReadyRecord(
+                update=update,
+                kind=type(item).__name__,
+                group_id=getattr(item, "group_id", None),
+                trajectory_index=getattr(item, "trajectory_index", None),
+                turn_index=getattr(item, "turn_index", None),
+                policy_version=getattr(item, "policy_version", version),
+                ready_time=ready_time,
+            )
+        )
+
+
+class _UpdateStream(IterableDataset):
+    """Successive updates' streams; update k+1 starts only after update k's items were all consumed."""
+
+    def __init__(self, datamodule: RolloutDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[BatchPlan | StreamItem]:
+        update = 0
+        while self.datamodule.updates is None or update < self.datamodule.updates:
+            yield from self.datamodule.stream_update(update)
+            update += 1

@@ -1,0 +1,159 @@
+"""The rollout DataModule: ready sources in readiness order, stamped with the policy version, accepted as they
+come by the streaming learner — whose update equals the batch-synchronous one on the same rollouts."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from fakes import RecordingAttempt, ScriptedEngine
+
+from tslightning.batch_registry import BatchPlan, Objective
+from tslightning.rollout.rollout_datamodule import RolloutDataModule
+from tslightning.rollout.teacher import TeacherScorer
+from tslightning.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
+from tslightning.streaming_module import StreamingPolicyModule
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    instruction: str
+
+
+TASKS = [Task(f"task-{i}", f"Create file number {i} in /app") for i in range(5)]
+REPLIES = {
+    0: ["<bash>ls</bash>", "<bash>touch a</bash>", "<finish/>"],
+    1: ["<finish/>"],
+    2: ["thinking", "<bash>cat x</bash>", "<finish/>"],
+}
+
+
+def attempt_factory(delays: dict[str, float] | None = None):
+    rewards = iter([1.0, 0.0, 0.5, 1.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.5] * 10)
+
+    @contextlib.contextmanager
+    def open_attempt(task):
+        yield RecordingAttempt(delay=(delays or {}).get(task.task_id, 0.0), reward=next(rewards))
+
+    return open_attempt
+
+
+def datamodule(tokenizer, objective="grpo", teacher=None, **kwargs):
+    engine = ScriptedEngine(tokenizer, REPLIES, version=kwargs.pop("version", 0))
+    return RolloutDataModule(
+        engine,
+        tokenizer,
+        TASKS,
+        attempt_factory(kwargs.pop("delays", None)),
+        objective,
+        prompts_per_update=2,
+        samples_per_prompt=3,
+        teacher=teacher,
+        run_seed=1,
+        **kwargs,
+    )
+
+
+def test_grpo_stream_is_plan_sources_events_batch_closed(tokenizer):
+    dm = datamodule(tokenizer)
+    items = list(dm.stream_update(0))
+    assert isinstance(items[0], BatchPlan) and items[0].policy_version == 0
+    assert isinstance(items[-1], BatchClosed)
+    sources = [i for i in items if isinstance(i, TrajectorySource)]
+    assert len(sources) == 6 and all(s.policy_version == 0 for s in sources)
+    for group_id in items[0].group_sizes:  # every group closes after its own three sources
+        position = next(k for k, i in enumerate(items) if isinstance(i, GroupClosed) and i.group_id == group_id)
+        members = [k for k, i in enumerate(items) if isinstance(i, TrajectorySource) and i.group_id == group_id]
+        assert len(members) == 3 and max(members) < position
+    assert [r.kind for r in dm.ready_log] == [type(i).__name__ for i in items[1:]]
+    times = [r.ready_time for r in dm.ready_log]
+    assert times == sorted(times)  # yielded in readiness order
+
+
+def test_sources_arrive_in_readiness_order_not_task_order(tokenizer):
+    """Trajectories of a task whose tool is slow are released after faster ones from later groups."""
+    tasks = datamodule(tokenizer).tasks_for_update(0)
+    dm = datamodule(tokenizer, delays={tasks[0].task_id: 0.4})
+    items = [i for i in dm.stream_update(0) if isinstance(i, TrajectorySource)]
+    slow_group = next(g for g in {i.group_id for i in items} if tasks[0].task_id in g)
+    slow_tool_trajectories = [
+        k for k, i in enumerate(items) if i.group_id == slow_group and i.trajectory_index in (0, 2)
+    ]
+    assert min(slow_tool_trajectories) >= 3  # trajectories 0 and 2 call tools; the other group went first
+
+
+def test_task_choice_is_seeded_and_covers_the_list(tokenizer):
+    dm = datamodule(tokenizer)
+    first = [t.task_id for u in range(3) for t in dm.tasks_for_update(u)]
+    assert first == [t.task_id for u in range(3) for t in datamodule(tokenizer).tasks_for_update(u)]
+    assert set(first[:5]) == {t.task_id for t in TASKS}  # one pass visits every task once
+
+
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_streaming_learner_consumes_the_stream_exactly(tokenizer, make_policy, teacher64, objective):
+    teacher = TeacherScorer(teacher64) if objective == "opd" else None
+    try:
+        items = list(datamodule(tokenizer, objective, teacher).stream_update(0))
+    finally:
+        if teacher:
+            teacher.close()
+    directions = []
+    for schedule in ("thundersync", "sync"):
+        module = StreamingPolicyModule(make_policy(), objective=objective, schedule=schedule)
+        optimizer = module.configure_optimizers()
+        for item in items:
+            module.ingest(item)
+        module.barrier(optimizer)
+        directions.append(module.last_direction)
+    streamed, sync = directions
+    assert float((streamed - sync).norm() / sync.norm()) <= 1e-10
+    if objective == "opd":
+        turns = [i for i in items if isinstance(i, TurnSource)]
+        closes = [i for i in items if isinstance(i, TrajectoryClosed)]
+        assert len(closes) == 6 and sum(c.num_turn_sources for c in closes) == len(turns)
+        for turn in turns:  # the teacher's scores are the frozen teacher's log-probs of exactly those tokens
+            ids = turn.token_ids[None]
+            with torch.no_grad():
+                logits = teacher64(input_ids=ids).logits[0, :-1].log_softmax(-1)
+            expected = logits.gather(-1, turn.token_ids[1:, None])[:, 0][turn.scored_mask[1:]]
+            assert torch.allclose(turn.teacher_logprobs.double(), expected, atol=1e-6)
+
+
+def test_every_source_carries_the_engine_version(tokenizer):
+    dm = datamodule(tokenizer, version=4)
+    items = list(dm.stream_update(0))
+    assert items[0].policy_version == 4 and items[-1].policy_version == 4
+    assert {r.policy_version for r in dm.ready_log} == {4}
+
+
+def test_rollout_failure_surfaces_in_the_consumer(tokenizer):
+    @contextlib.contextmanager
+    def broken(task):
+        raise OSError("sandbox unavailable")
+        yield
+
+    dm = RolloutDataModule(
+        ScriptedEngine(tokenizer, REPLIES), tokenizer, TASKS, broken, prompts_per_update=1, samples_per_prompt=2
+    )
+    with pytest.raises(RuntimeError, match="sandbox unavailable"):
+        list(dm.stream_update(0))
+
+
+def test_bad_configuration_is_reported_at_once(tokenizer):
+    with pytest.raises(ValueError) as error:
+        RolloutDataModule(
+            ScriptedEngine(tokenizer, REPLIES), tokenizer, [], attempt_factory(), "opd", prompts_per_update=0
+        )
+    message = str(error.value)
+    assert "tasks is empty" in message and "prompts_per_update" in message and "teacher" in message
+
+
+def test_train_dataloader_yields_consecutive_updates(tokenizer):
+    dm = datamodule(tokenizer, updates=2)
+    items = list(dm.train_dataloader())
+    plans = [i for i in items if isinstance(i, BatchPlan)]
+    assert len(plans) == 2 and sum(isinstance(i, BatchClosed) for i in items) == 2
+    assert Objective(plans[0].objective) is Objective.GRPO
