@@ -301,15 +301,23 @@ class AgentLoop:
         if isinstance(action, ShellCommand):
             outcome = await asyncio.to_thread(attempt.run_command, action.command)
             output = outcome.output if outcome.output.endswith("\n") or not outcome.output else outcome.output + "\n"
-            body, _ = keep_head_and_tail(self._encode(output), self.limits.observation, self._omission_marker)
-            body += self._encode(status_line(outcome.exit_code, outcome.timed_out, outcome.limit_hit))
+            body = self._encode(output)
+            status = self._encode(status_line(outcome.exit_code, outcome.timed_out, outcome.limit_hit))
         else:
             assert isinstance(action, ParseError)
-            body = self._encode(PARSER_ERROR_OBSERVATION)
-        observation = closing + self._observation_open + body + self._observation_close
+            body, status = self._encode(PARSER_ERROR_OBSERVATION), []
+        observation = closing + self.observation_tokens(body, status)
         if context + len(generation.token_ids) + len(observation) > self.limits.max_context_tokens:
             return closing, "context_limit"  # the observation would not fit; end without appending it
         return observation, None
+
+    def observation_tokens(self, body: list[int] | str, status: list[int] | str = ()) -> list[int]:
+        """The unscored tokens after a closed action: the observation message — ``body`` kept as head and tail
+        (Table 6), then ``status`` in full — and the next assistant header."""
+        body = self._encode(body) if isinstance(body, str) else list(body)
+        status = self._encode(status) if isinstance(status, str) else list(status)
+        kept, _ = keep_head_and_tail(body, self.limits.observation, self._omission_marker)
+        return self._observation_open + kept + status + self._observation_close
 
     def _omission_marker(self, omitted: int) -> list[int]:
         return self._encode(f"\n[... {omitted} tokens omitted ...]\n")
