@@ -1,0 +1,35 @@
+"""Where every agent-executed command and every task verifier runs: isolated, limited, and reported.
+
+``AttemptDirectory`` holds one attempt's ``/app``, ``/tests``, ``/logs/verifier`` and ``/oracle``;
+``make_sandbox(backend, attempt=...)`` gives a ``Sandbox`` whose ``run(command)`` returns a ``CommandResult``:
+exit status, bounded terminal output, and which ``SandboxLimits`` limit (if any) stopped the command.
+"""
+
+from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.base import BASE_ENVIRONMENT, Sandbox
+from tslightning.sandbox.bubblewrap import BubblewrapSandbox
+from tslightning.sandbox.docker import DockerSandbox
+from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
+from tslightning.sandbox.factory import Backend, make_sandbox
+from tslightning.sandbox.limits import OUTPUT_KILL_FACTOR, SandboxLimits
+from tslightning.sandbox.plain_subprocess import SubprocessSandbox
+from tslightning.sandbox.result import CommandResult, LimitName
+
+__all__ = [
+    "BASE_ENVIRONMENT",
+    "MOUNT_POINTS",
+    "OUTPUT_KILL_FACTOR",
+    "AttemptDirectory",
+    "Backend",
+    "BubblewrapSandbox",
+    "CommandResult",
+    "DockerSandbox",
+    "LimitName",
+    "Mount",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxUnavailableError",
+    "SubprocessSandbox",
+    "make_sandbox",
+]

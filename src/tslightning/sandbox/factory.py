@@ -1,0 +1,39 @@
+"""``make_sandbox``: the one place a ``sandbox.backend`` name becomes a sandbox."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from tslightning.sandbox.attempt import AttemptDirectory
+from tslightning.sandbox.base import Sandbox
+from tslightning.sandbox.bubblewrap import BubblewrapSandbox
+from tslightning.sandbox.docker import DockerSandbox
+from tslightning.sandbox.limits import SandboxLimits
+from tslightning.sandbox.plain_subprocess import SubprocessSandbox
+
+Backend = Literal["bubblewrap", "docker", "subprocess"]
+
+
+def make_sandbox(
+    backend: Backend = "bubblewrap", *, attempt: AttemptDirectory, limits: SandboxLimits | None = None
+) -> Sandbox:
+    """The sandbox of ``attempt`` for the configured ``sandbox.backend``.
+
+    Args:
+        backend: ``"bubblewrap"`` (default: isolated, needs bwrap), ``"docker"`` (needs a running engine) or
+            ``"subprocess"`` (no isolation; warns).
+        attempt: the attempt whose directories the commands see.
+        limits: the default limits of every ``run``.
+
+    Raises:
+        ValueError: ``backend`` is not one of the names above.
+        SandboxUnavailableError: the backend cannot run on this machine; the message names ``sandbox.backend``
+            and the fix (e.g. ``apt-get install bubblewrap``).
+    """
+    if backend == "bubblewrap":
+        return BubblewrapSandbox(attempt, limits=limits)
+    if backend == "docker":
+        return DockerSandbox(attempt, limits=limits)
+    if backend == "subprocess":
+        return SubprocessSandbox(attempt, limits=limits)
+    raise ValueError(f"sandbox.backend must be one of {list(get_args(Backend))} (got {backend!r})")
