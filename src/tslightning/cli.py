@@ -5,10 +5,14 @@ from __future__ import annotations
 import json as json_module
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from jsonargparse import CLI
 
+from tslightning.sandbox import Backend, SandboxUnavailableError
+from tslightning.tasks.rewards import RewardScheme
+from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
 from tslightning.verification import DTypeName
 from tslightning.verification import verify as run_verification
 
@@ -43,10 +47,47 @@ def verify(
         sys.exit(1)
 
 
+def tasks_validate(
+    path: Path | None = None,
+    backend: Backend = "bubblewrap",
+    scheme: RewardScheme = "seta",
+    workers: int = 2,
+) -> None:
+    """Check terminal tasks: the reference solution passes and the no-op agent does not (App. C.2).
+
+    Usage: ``tslightning tasks validate [DIR]``. For each task, two fresh sandbox attempts: one where the agent does
+    nothing, one that runs ``solution/solve.sh``; the verifier scores both. Prints a table and exits 1 naming each
+    task whose reference does not fully pass or whose no-op already passes (with the verifier output's tail).
+
+    Args:
+        path: A task directory or a directory of task directories (default: the shipped library).
+        backend: Sandbox backend of the attempts.
+        scheme: Reward scheme of the reported rewards (``seta``: p + 0.5·1[p = 1]; ``binary``).
+        workers: Tasks validated at once.
+    """
+    try:
+        results = validate_tasks(path, scheme=scheme, workers=workers, make_attempt_sandbox=sandbox_factory(backend))
+    except (FileNotFoundError, SandboxUnavailableError) as error:
+        print(f"tasks validate: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(format_table(results))
+    failed = [result.task for result in results if not result.ok]
+    if failed:
+        print(f"tasks validate: {len(failed)} invalid task(s): {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``tslightning`` console script."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    CLI({"verify": verify}, args=_expand_bare_flags(args), as_positional=False)
+    args = _positional_task_dir(list(sys.argv[1:] if argv is None else argv))
+    CLI({"verify": verify, "tasks": {"validate": tasks_validate}}, args=_expand_bare_flags(args), as_positional=False)
+
+
+def _positional_task_dir(args: list[str]) -> list[str]:
+    """Let ``tasks validate DIR`` name its directory positionally as well as with ``--path DIR``."""
+    if args[:2] == ["tasks", "validate"] and len(args) > 2 and not args[2].startswith("-"):
+        return [*args[:2], "--path", *args[2:]]
+    return args
 
 
 def _expand_bare_flags(args: list[str]) -> list[str]:

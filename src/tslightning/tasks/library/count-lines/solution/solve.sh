@@ -1,0 +1,5 @@
+#!/bin/bash
+# Reference solution of count-lines.
+set -euo pipefail
+cd /app
+wc -l < log.txt > count.txt

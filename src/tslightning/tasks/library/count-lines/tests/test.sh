@@ -1,0 +1,27 @@
+#!/bin/bash
+# Verifier of count-lines: every check is one test. Writes the pass fraction to reward.txt and the
+# counts with SETA's partial reward (p + 0.5 when all pass) to reward.json.
+passed=0
+total=0
+check() {
+    total=$((total + 1))
+    if (eval "$2") >/dev/null 2>&1; then
+        passed=$((passed + 1))
+        echo "PASS: $1"
+    else
+        echo "FAIL: $1"
+    fi
+}
+export LC_ALL=C
+cd /app 2>/dev/null || echo "note: /app is missing"
+
+check "count.txt exists" 'test -f /app/count.txt'
+check "count.txt holds the line count" 'test "$(tr -d " \n" < /app/count.txt)" = 137'
+check "count.txt is a single line" 'test "$(wc -l < /app/count.txt)" -le 1'
+check "log.txt is unchanged" 'echo "c1f5d2fae2f8eda3f6771f3d76675aa7bc65604b7ab7201b5f2e061e82b2c8dc  /app/log.txt" | sha256sum -c -'
+
+mkdir -p /logs/verifier
+awk -v p="$passed" -v t="$total" 'BEGIN { printf "%.6f\n", p / t }' > /logs/verifier/reward.txt
+reward=$(awk -v p="$passed" -v t="$total" 'BEGIN { r = p / t; if (p == t) r += 0.5; printf "%.6f", r }')
+printf '{"tests_passed": %d, "tests_total": %d, "reward": %s}\n' "$passed" "$total" "$reward" > /logs/verifier/reward.json
+echo "$passed/$total checks passed"

@@ -1,0 +1,26 @@
+#!/bin/bash
+# Verifier of crlf-to-lf: every check is one test. Writes the pass fraction to reward.txt and the
+# counts with SETA's partial reward (p + 0.5 when all pass) to reward.json.
+passed=0
+total=0
+check() {
+    total=$((total + 1))
+    if (eval "$2") >/dev/null 2>&1; then
+        passed=$((passed + 1))
+        echo "PASS: $1"
+    else
+        echo "FAIL: $1"
+    fi
+}
+export LC_ALL=C
+cd /app 2>/dev/null || echo "note: /app is missing"
+
+check "no carriage returns" 'test -f /app/notes.txt && ! grep -q $(printf "\r") /app/notes.txt'
+check "same number of lines" 'test "$(wc -l < /app/notes.txt)" = 5'
+check "text is unchanged" 'echo "ae912f315a4db81d342432e3055dbee70013f41e2d666ced02cac952cf8be7ad  /app/notes.txt" | sha256sum -c -'
+
+mkdir -p /logs/verifier
+awk -v p="$passed" -v t="$total" 'BEGIN { printf "%.6f\n", p / t }' > /logs/verifier/reward.txt
+reward=$(awk -v p="$passed" -v t="$total" 'BEGIN { r = p / t; if (p == t) r += 0.5; printf "%.6f", r }')
+printf '{"tests_passed": %d, "tests_total": %d, "reward": %s}\n' "$passed" "$total" "$reward" > /logs/verifier/reward.json
+echo "$passed/$total checks passed"

@@ -1,0 +1,5 @@
+#!/bin/bash
+# Reference solution of dedupe-lines.
+set -euo pipefail
+cd /app
+awk '!seen[$0]++' emails.txt > emails.tmp && mv emails.tmp emails.txt

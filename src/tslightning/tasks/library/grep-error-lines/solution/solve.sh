@@ -1,0 +1,5 @@
+#!/bin/bash
+# Reference solution of grep-error-lines.
+set -euo pipefail
+cd /app
+grep ERROR app.log > errors.log

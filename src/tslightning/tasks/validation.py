@@ -1,0 +1,163 @@
+"""Executable validation of terminal tasks (App. C.2): the reference solution passes, the no-op agent does not.
+
+For each task two fresh attempts are made, each in its own sandbox attempt directory seeded from ``environment/``:
+the *no-op* agent runs nothing, the *reference* agent runs ``solution/solve.sh``; the verifier then scores each.
+A task is valid when the reference scores a full pass (``p = 1``) and the no-op does not. Failing tasks are removed
+from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them with the verifier output's tail.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
+from tslightning.tasks.rewards import RewardScheme, max_reward
+from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
+from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+
+SandboxFactory = Callable[[AttemptDirectory], Sandbox]
+"""Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
+
+
+@dataclass(frozen=True)
+class TaskValidation:
+    """The outcome of validating one task.
+
+    Attributes:
+        task: The task's name.
+        path: The task directory.
+        noop: The verifier's verdict on the untouched environment (``None`` if it never ran).
+        reference: The verifier's verdict after ``solution/solve.sh`` (``None`` if it never ran).
+        problems: Why the task is invalid; empty when it is valid.
+    """
+
+    task: str
+    path: Path
+    noop: VerifierResult | None = None
+    reference: VerifierResult | None = None
+    problems: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def library_dir() -> Path:
+    """The shipped task library (``tslightning/tasks/library``), found through ``importlib.resources``."""
+    library = importlib.resources.files("tslightning.tasks") / "library"
+    if not isinstance(library, Path) or not library.is_dir():
+        raise FileNotFoundError(f"the shipped task library is missing or not on the file system: {library}")
+    return library
+
+
+def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
+    """A :data:`SandboxFactory` for a ``sandbox.backend`` name."""
+    return lambda attempt: make_sandbox(backend, attempt=attempt)
+
+
+def validate_task(
+    task_dir: Path, scheme: RewardScheme = "seta", make_attempt_sandbox: SandboxFactory | None = None
+) -> TaskValidation:
+    """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt.
+
+    Args:
+        task_dir: The task directory.
+        scheme: Reward scheme the verdicts are reported in.
+        make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
+    """
+    factory = make_attempt_sandbox or sandbox_factory()
+    try:
+        task = TerminalTask.load(task_dir)
+    except TaskFormatError as error:
+        return TaskValidation(task=Path(task_dir).name, path=Path(task_dir), problems=tuple(error.problems))
+    if task.solution_script is None:
+        return TaskValidation(task.name, task.root, problems=("no solution/solve.sh to validate against",))
+    noop = _attempt(task, factory, scheme, run_solution=False)
+    reference = _attempt(task, factory, scheme, run_solution=True)
+    problems = _noop_problems(noop) + _reference_problems(reference, scheme)
+    return TaskValidation(task.name, task.root, noop=noop, reference=reference, problems=tuple(problems))
+
+
+def validate_tasks(
+    path: str | Path | None = None,
+    scheme: RewardScheme = "seta",
+    workers: int = 2,
+    make_attempt_sandbox: SandboxFactory | None = None,
+) -> list[TaskValidation]:
+    """Validate every task under ``path`` (a task directory or a directory of them; default: the shipped library).
+
+    Tasks run on ``workers`` threads (each sandboxed command is its own process tree); results come back in
+    task-name order.
+    """
+    task_dirs = find_task_dirs(library_dir() if path is None else path)
+    if not task_dirs:
+        raise FileNotFoundError(f"no task directories (with a task.toml) under {path}")
+    factory = make_attempt_sandbox or sandbox_factory()
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(lambda task_dir: validate_task(task_dir, scheme, factory), task_dirs))
+
+
+def format_table(results: Sequence[TaskValidation]) -> str:
+    """A fixed-width table: task, no-op verdict, reference verdict, status; then each failure's problems."""
+    width = max([len("task"), *(len(result.task) for result in results)])
+    lines = [f"{'task':<{width}}  {'no-op':<16}  {'reference':<16}  status", "-" * (width + 46)]
+    for result in results:
+        status = "ok" if result.ok else "FAIL"
+        lines.append(f"{result.task:<{width}}  {_cell(result.noop):<16}  {_cell(result.reference):<16}  {status}")
+    failed = [result for result in results if not result.ok]
+    lines.append(f"\n{len(results) - len(failed)}/{len(results)} tasks valid")
+    for result in failed:
+        lines.append(f"\n{result.task} ({result.path}):")
+        lines.extend(f"  - {problem}" for problem in result.problems)
+    return "\n".join(lines)
+
+
+def _attempt(task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, run_solution: bool) -> VerifierResult:
+    with task.open_attempt() as attempt:
+        sandbox = factory(attempt)
+        solution_note = ""
+        if run_solution:
+            solved = run_reference_solution(task, sandbox)
+            if not solved.ok:
+                solution_note = _solution_failure(solved)
+        result = run_verifier(task, sandbox, scheme)
+    if solution_note:  # keep the solution's own failure beside the verifier's verdict
+        return replace(result, reason=f"{result.reason}; {solution_note}")
+    return result
+
+
+def _noop_problems(noop: VerifierResult) -> list[str]:
+    if noop.passed:
+        return [f"no-op agent already passes ({noop.reason}): the verifier does not check the task's outcome"]
+    return []
+
+
+def _reference_problems(reference: VerifierResult, scheme: RewardScheme) -> list[str]:
+    if reference.passed:
+        return []
+    expected = max_reward(scheme)
+    return [
+        f"reference solution scored {reference.reward:g} (expected {expected:g}): {reference.reason}\n"
+        f"    verifier output tail:\n{_indent(reference.output_tail(), '      ')}"
+    ]
+
+
+def _solution_failure(result: CommandResult) -> str:
+    what = "timed out" if result.timed_out else f"exited {result.exit_code}"
+    return f"solution/solve.sh {what}: {result.output[-300:].strip()!r}"
+
+
+def _cell(result: VerifierResult | None) -> str:
+    if result is None:
+        return "-"
+    if result.passed_fraction is None:
+        return "error"
+    return f"p={result.passed_fraction:.2f} r={result.reward:.2f}"
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines()) or prefix + "(no output)"
