@@ -74,3 +74,21 @@ def supervised_warm_start(
         losses.append(loss.detach().item())
     model.eval()
     return losses
+
+
+def reference_demonstration(task) -> Demonstration:
+    """A task's reference solution (``solution/solve.sh``) as a two-turn demonstration: run it, then finish.
+
+    Shebang, comments, ``set -e...`` and ``cd /app`` lines are dropped (the agent's shell already starts in /app).
+    """
+    script = task.solution_script
+    if script is None:
+        raise ValueError(f"task {task.name!r} has no solution/solve.sh to demonstrate")
+    kept = [
+        line
+        for line in script.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "set -", "cd /app"))
+    ]
+    return Demonstration(
+        task.instruction.strip(), ((f"<bash>{chr(10).join(kept)}</bash>", "[exit code 0]"), ("<finish/>", ""))
+    )

@@ -141,6 +141,11 @@ class TerminalTask:
     solution_env: dict[str, str] = field(default_factory=dict)
     source: str | None = None
 
+    @property
+    def task_id(self) -> str:
+        """The task's id (its directory name), as the rollout DataModule names tasks."""
+        return self.name
+
     @classmethod
     def load(cls, task_dir: str | Path) -> TerminalTask:
         """Load ``task_dir``; raises :class:`TaskFormatError` listing every problem (file and key named)."""
