@@ -14,7 +14,10 @@ turns); learner cost per source is one forward and backward over all of ``token_
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -89,6 +92,24 @@ class UpdateResult:
     peak_held_numel: int = 0
 
 
+@dataclass(frozen=True)
+class ServiceRecord:
+    """When the learner served one source (``time.perf_counter`` seconds) — the release trace's p_j (App. B).
+
+    Under ``sync`` a padded micro-batch serves its sources together: each gets the micro-batch's start and end.
+    """
+
+    kind: str
+    group_id: str
+    trajectory_index: int
+    turn_index: int | None
+    policy_version: int
+    tokens: int
+    scored_tokens: int
+    start: float
+    end: float
+
+
 class StreamingPolicyModule(L.LightningModule):
     """Exact gradient streaming for GRPO and OPD on any causal LM (full fine-tuning or a peft LoRA model).
 
@@ -100,7 +121,8 @@ class StreamingPolicyModule(L.LightningModule):
             at the barrier (the batch-synchronous baseline).
         advantage: Group-relative advantage for GRPO (see :mod:`tslightning.advantages`).
         advantage_epsilon: ε of Eq. 6.
-        max_grad_norm: Global-norm clipping threshold applied to the batch direction (Table 5: 1.0).
+        max_grad_norm: Global-norm clipping threshold applied to the batch direction (Table 5: 1.0); ``None`` when
+            a :class:`~tslightning.callbacks.GradientClipping` callback clips instead.
         group_admission_cap: Per-rank cap k on GRPO groups holding statistics (App. D.3); ``None`` for no cap.
         optimizer: AdamW settings used by :meth:`configure_optimizers`.
         accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
@@ -114,15 +136,15 @@ class StreamingPolicyModule(L.LightningModule):
         schedule: Schedule = Schedule.THUNDERSYNC,
         advantage: AdvantageEstimator = AdvantageEstimator.GRPO,
         advantage_epsilon: float = GRPO_EPSILON,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: float | None = 1.0,
         group_admission_cap: int | None = None,
         optimizer: OptimizerSettings | None = None,
         accumulator_dtype: torch.dtype | None = None,
         sync_micro_batch_size: int = 8,
     ) -> None:
         super().__init__()
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 (Table 5 uses 1.0); got {max_grad_norm}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None (Table 5 uses 1.0); got {max_grad_norm}")
         if sync_micro_batch_size < 1:
             raise ValueError(f"sync_micro_batch_size must be >= 1; got {sync_micro_batch_size}")
         self.automatic_optimization = False
@@ -148,6 +170,11 @@ class StreamingPolicyModule(L.LightningModule):
         self._reductions: list[GroupReduction] = []
         self._num_sources = 0
         self._num_scored_tokens = 0
+        self.service_log: list[ServiceRecord] = []
+        """Per-source service times of the current (or last finished) update."""
+        self.update_timings: dict[str, float] = {}
+        """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
+        add ``rollout_wait_s``, ``publication_s``, ...)."""
 
     # ----------------------------------------------------------------- the stream
     def begin_batch(self, plan: BatchPlan) -> None:
@@ -169,6 +196,8 @@ class StreamingPolicyModule(L.LightningModule):
                 f">= {self.advantage.min_group_size} trajectories per group"
             )
         self._registry = BatchRegistry(plan)
+        self.service_log = []
+        self.update_timings = {"learner_service_s": 0.0}
 
     def ingest(self, item: StreamItem | BatchPlan) -> None:
         """Accept one ready source or completion event; under ``thundersync`` its learner work runs now.
@@ -190,7 +219,7 @@ class StreamingPolicyModule(L.LightningModule):
             if isinstance(item, TrajectorySource | TurnSource):
                 self._held_sources.append(item)  # the batch-synchronous learner starts at the barrier
         elif isinstance(item, TurnSource):
-            self._fold_turn(item)
+            self._serve([item], lambda: self._fold_turn(item))
         elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
             self._admit_grpo(item)
 
@@ -203,29 +232,52 @@ class StreamingPolicyModule(L.LightningModule):
                 self._reductions.append(self.groups.close(admitted.group_id))
                 work.extend(self.admission.release(admitted.group_id))
             else:
-                self._fold_trajectory(admitted)
+                self._serve([admitted], lambda source=admitted: self._fold_trajectory(source))
 
-    def barrier(self, optimizer: torch.optim.Optimizer) -> UpdateResult:
-        """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}."""
+    def barrier(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None] | None = None) -> UpdateResult:
+        """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}.
+
+        Args:
+            optimizer: The optimizer over :attr:`layout` ``.parameters`` (a Fabric- or Lightning-wrapped one works).
+            before_step: Runs once the batch direction is in ``.grad`` and before clipping and the step; a Fabric
+                loop calls its ``on_before_optimizer_step`` callbacks here (a Trainer's LightningOptimizer calls
+                them inside ``step``).
+
+        Raises:
+            SourceError: if any registered trajectory, group or the batch is still open.
+            FloatingPointError: if the batch direction is not finite (no step is taken).
+        """
         registry = self._require_registry()
         registry.require_complete()
+        barrier_start = time.perf_counter()
         if self.schedule is Schedule.SYNC:
             self._compute_sync_direction(registry.plan)
         direction, num_tokens = self._reduced_direction()
+        norm = float(torch.linalg.vector_norm(direction))
+        if not math.isfinite(norm):
+            raise FloatingPointError(
+                f"batch direction of version {self.policy_version} is not finite; refusing to step"
+            )
         self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
-        norm = torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
+        if before_step is not None:
+            before_step()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
+        applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
         result = UpdateResult(
             policy_version=self.policy_version + 1,
-            direction_norm=float(norm),
-            clip_coefficient=min(1.0, self.max_grad_norm / (float(norm) + 1e-6)),
+            direction_norm=norm,
+            clip_coefficient=applied / norm if norm > 0 else 1.0,
             num_sources=self._num_sources,
             num_scored_tokens=num_tokens,
             groups=list(self._reductions),
             peak_held_numel=self.groups.peak_held_numel if self.objective is Objective.GRPO else self.turns.held_numel,
         )
         self.last_direction = direction
+        self.last_update = result
         self.policy_version += 1
         self.num_optimizer_steps += 1
         self._reset_batch()
@@ -241,7 +293,7 @@ class StreamingPolicyModule(L.LightningModule):
         self.ingest(batch)
         if not isinstance(batch, BatchClosed):
             return
-        self.last_update = self.barrier(self.optimizers())
+        self.barrier(self.optimizers())
         if self._trainer is not None or self._fabric is not None:
             update = self.last_update
             metrics = {
@@ -285,24 +337,55 @@ class StreamingPolicyModule(L.LightningModule):
         self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
         self.turns.reset()
         self._reductions = []
+        self.service_log = []
         sources = sorted(self._held_sources, key=_source_key)
         if self.objective is Objective.GRPO:
             coefficients = self._sync_trajectory_coefficients(sources, plan)
-        for start in range(0, len(sources), self.sync_micro_batch_size):
-            chunk = sources[start : start + self.sync_micro_batch_size]
-            logps = batched_scored_logprobs(self.policy, [s.token_ids for s in chunk], [s.scored_mask for s in chunk])
-            if self.objective is Objective.GRPO:
-                objective = sum(c * lp.sum() for c, lp in zip(coefficients[start:], logps, strict=False))
-                grads = torch.autograd.grad(objective, self.layout.parameters, allow_unused=True)
-                self.layout.add_(self.groups.batch, self._fill_unused(grads))
-            else:
-                # App. I.2's loss form: ratio = exp(logp − logp.detach()) has the gradient of Eq. 8.
-                objective = sum(
-                    (torch.exp(lp - lp.detach()) * (s.teacher_logprobs.to(lp) - lp.detach())).sum()
-                    for s, lp in zip(chunk, logps, strict=True)
+        else:
+            coefficients = [1.0] * len(sources)
+        size = self.sync_micro_batch_size
+        for start in range(0, len(sources), size):
+            chunk, weights = sources[start : start + size], coefficients[start : start + size]
+            self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
+        self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
+
+    def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
+        """One padded micro-batch of the batch objective (GRPO: Σ_i weight_i S_i; OPD: App. I.2's ratio form)."""
+        logps = batched_scored_logprobs(self.policy, [s.token_ids for s in chunk], [s.scored_mask for s in chunk])
+        if self.objective is Objective.GRPO:
+            objective = sum(w * lp.sum() for w, lp in zip(weights, logps, strict=True))
+        else:
+            # ratio = exp(logp − logp.detach()) equals 1 and has the gradient of Eq. 8.
+            objective = sum(
+                (torch.exp(lp - lp.detach()) * (s.teacher_logprobs.to(lp) - lp.detach())).sum()
+                for s, lp in zip(chunk, logps, strict=True)
+            )
+        grads = self._fill_unused(torch.autograd.grad(objective, self.layout.parameters, allow_unused=True))
+        if self.objective is Objective.GRPO:
+            self.layout.add_(self.groups.batch, grads)
+        else:
+            self.turns.add(grads, sum(s.num_scored for s in chunk))
+
+    def _serve(self, sources: list[Source], work: Callable[[], None]) -> None:
+        """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
+        start = time.perf_counter()
+        work()
+        end = time.perf_counter()
+        self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
+        for s in sources:
+            self.service_log.append(
+                ServiceRecord(
+                    type(s).__name__,
+                    s.group_id,
+                    s.trajectory_index,
+                    getattr(s, "turn_index", None),
+                    s.policy_version,
+                    s.token_ids.numel(),
+                    s.num_scored,
+                    start,
+                    end,
                 )
-                grads = torch.autograd.grad(objective, self.layout.parameters, allow_unused=True)
-                self.turns.add(self._fill_unused(grads), sum(s.num_scored for s in chunk))
+            )
 
     def _sync_trajectory_coefficients(self, sources: list[TrajectorySource], plan: BatchPlan) -> list[float]:
         """Per-trajectory weight A_i / (m · P · L_i) of the batch objective, with batch-form advantages (Eq. 6)."""
