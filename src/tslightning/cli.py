@@ -80,7 +80,10 @@ def tasks_validate(
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``tslightning`` console script."""
     args = _positional_task_dir(list(sys.argv[1:] if argv is None else argv))
-    CLI({"verify": verify, "tasks": {"validate": tasks_validate}}, args=_expand_bare_flags(args), as_positional=False)
+    from tslightning.fit import fit  # imported here: it pulls in the rollout engines and callbacks
+
+    commands = {"fit": fit, "verify": verify, "tasks": {"validate": tasks_validate}}
+    CLI(commands, args=_expand_bare_flags(args), as_positional=False)
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:

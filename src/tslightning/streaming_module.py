@@ -177,6 +177,11 @@ class StreamingPolicyModule(L.LightningModule):
         add ``rollout_wait_s``, ``publication_s``, ...)."""
 
     # ----------------------------------------------------------------- the stream
+    @property
+    def registry(self) -> BatchRegistry | None:
+        """Registration and completion state of the open logical batch (``None`` between batches)."""
+        return self._registry
+
     def begin_batch(self, plan: BatchPlan) -> None:
         """Register logical batch B_k (Algorithm 1, line 3) at the current snapshot θ_k."""
         if self._registry is not None:

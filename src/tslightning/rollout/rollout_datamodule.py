@@ -116,6 +116,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_concurrent_attempts = max_concurrent_attempts
         self.ready_log: list[ReadyRecord] = []
         self.trajectories: dict[int, list[AgentTrajectory]] = {}
+        self.update_starts: dict[int, float] = {}
+        """``time.perf_counter()`` at each update's first rollout request; ready times are relative to it."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
@@ -133,7 +135,7 @@ class RolloutDataModule(L.LightningDataModule):
         tasks = {f"u{update}/p{p}/{task.task_id}": task for p, task in enumerate(self.tasks_for_update(update))}
         yield BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks})
         ready: queue.Queue = queue.Queue()
-        start = time.perf_counter()
+        start = self.update_starts[update] = time.perf_counter()
         producer = threading.Thread(
             target=self._produce, args=(update, version, tasks, ready, start), name=f"rollout-u{update}", daemon=True
         )

@@ -1,0 +1,139 @@
+"""Publication of θ_{k+1} to every rollout replica after update k, acknowledged before batch k+1 starts (Eq. 3).
+
+One small versioned operation: gather the full weights, ``engine.publish(weights, k + 1)`` (which returns only once
+every replica acknowledged and cleared its policy-dependent caches), check the receipt's version, record the time.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from threading import Thread
+from typing import Any
+
+import lightning as L
+import torch
+
+from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
+from tslightning.sources import BatchClosed
+
+
+class WeightPublisher(L.Callback):
+    """After each update, publishes the trainable policy's full weights at the module's new policy version.
+
+    The engine lives with global rank 0, which publishes; the outcome is then broadcast, so every rank waits for the
+    acknowledgement and fails together if publication failed. Records ``module.update_timings["publication_s"]`` and
+    logs ``timing_s/update_weights`` at step k.
+
+    Args:
+        engine: The rollout engine; its ``publish`` returns after every replica acknowledged.
+        timeout_s: Seconds to wait for the acknowledgement before failing; ``None`` waits as long as the engine does.
+    """
+
+    def __init__(self, engine: RolloutEngine, timeout_s: float | None = None) -> None:
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"WeightPublisher: timeout_s must be > 0 or None; got {timeout_s}")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.published_version: int | None = None
+        self.publications = 0
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(engine=type(self.engine).__qualname__)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer | L.Fabric,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """On :class:`~tslightning.sources.BatchClosed` (the update took its step), publish θ_{k+1} and wait.
+
+        Raises:
+            RolloutEngineError: If a replica did not acknowledge (in ``timeout_s``), or the receipt names another
+                version than the module's.
+        """
+        if not isinstance(batch, BatchClosed):
+            return
+        version = pl_module.policy_version
+        start = time.perf_counter()
+        self._publish_from_rank_zero(trainer, pl_module.policy, version)
+        seconds = time.perf_counter() - start
+        pl_module.update_timings["publication_s"] = seconds
+        self.published_version = version
+        self.publications += 1
+        if trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics({"timing_s/update_weights": seconds}, step=version - 1)
+
+    def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, policy: torch.nn.Module, version: int) -> None:
+        """Rank 0 publishes (a replicated policy: every rank holds θ_{k+1}); every rank raises if it failed."""
+        error = None
+        if trainer.global_rank == 0:
+            try:
+                self._publish(policy, version)
+            except Exception as exc:
+                error = exc
+        # The broadcast is also the sync point: no rank starts batch k+1 before every replica acknowledged θ_{k+1}.
+        failure = trainer.strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}", src=0)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise RolloutEngineError(f"global rank 0 failed to publish θ_{version}: {failure}")
+
+    def _publish(self, policy: torch.nn.Module, version: int) -> PublishReceipt:
+        weights = publishable_state_dict(policy)
+        receipt = _wait_for(lambda: self.engine.publish(weights, version), self.timeout_s, version)
+        if receipt.policy_version != version:
+            raise RolloutEngineError(
+                f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
+                "may serve another policy: close the engine and start another"
+            )
+        return receipt
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"published_version": self.published_version, "publications": self.publications}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.published_version = state_dict["published_version"]
+        self.publications = state_dict["publications"]
+
+
+def publishable_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights a replica serves: ``policy.state_dict()``, with LoRA adapters merged for a peft model.
+
+    A peft model's adapters are merged into a deep copy (``merge_and_unload``), so the trained model keeps its
+    adapters and exact base weights; the copy costs one more model's memory during publication.
+    """
+    from peft import PeftModel
+
+    if isinstance(policy, PeftModel):
+        return copy.deepcopy(policy).merge_and_unload().state_dict()
+    return policy.state_dict()
+
+
+def _wait_for(publish: Callable[[], PublishReceipt], timeout_s: float | None, version: int) -> PublishReceipt:
+    """Run ``publish``, failing after ``timeout_s`` seconds (a daemon thread, so a hung engine cannot block exit)."""
+    if timeout_s is None:
+        return publish()
+    future: Future[PublishReceipt] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(publish())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    Thread(target=run, name=f"publish-policy-{version}", daemon=True).start()
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        raise RolloutEngineError(
+            f"rollout replicas did not acknowledge θ_{version} within timeout_s={timeout_s} s; they may now serve "
+            "mixed versions: close the engine and start another"
+        ) from None

@@ -1,0 +1,308 @@
+"""`tslightning fit`: the Fabric-driven training loop, read top to bottom — setup → launch → fit (Algorithm 1).
+
+Per update k: the rollout DataModule registers the logical batch at θ_k and yields ready sources as they arrive; the
+streaming module serves each (``thundersync``) or holds them for the barrier (``sync``); at ``BatchClosed`` the
+barrier reduces and normalizes, the callbacks check completeness and clip, exactly one optimizer step is taken, and
+the weight publisher installs θ_{k+1} on every rollout replica before update k+1 starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from tqdm.auto import tqdm
+
+from tslightning.batch_registry import BatchPlan, Objective
+from tslightning.callbacks import (
+    BatchBarrier,
+    GradientClipping,
+    MFUMonitor,
+    ReleaseTraceRecorder,
+    StalenessMonitor,
+    WeightPublisher,
+)
+from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
+from tslightning.rollout.observation import ObservationWindow
+from tslightning.rollout.rollout_datamodule import RolloutDataModule
+from tslightning.rollout.teacher import TeacherScorer
+from tslightning.sources import BatchClosed
+from tslightning.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.tasks.split import split_of
+from tslightning.tasks.task_attempt import TerminalTaskAttempt
+from tslightning.tasks.terminal_task import TerminalTask, find_task_dirs
+from tslightning.tasks.validation import library_dir
+from tslightning.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
+from tslightning.warm_start import Demonstration, reference_demonstration, supervised_warm_start
+
+
+@dataclass
+class ModelSettings:
+    """The policy (and, for OPD, the frozen teacher)."""
+
+    path: str | None = None
+    """A Hugging Face checkpoint directory; ``None`` builds the embedded tiny Qwen2 model offline."""
+    teacher_path: str | None = None
+    """OPD teacher checkpoint; ``None`` uses the embedded tiny model with another seed."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass
+class RolloutSettings:
+    """The rollout pool, the tasks and the agent (Table 6 limits, scaled to the workload)."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    replicas: int = 1
+    tasks: str | None = None
+    """A task directory or a directory of tasks; ``None`` uses the shipped library."""
+    split: Literal["train", "dev", "all"] = "train"
+    """Which side of the SHA-256 group split (App. C.2) to train on."""
+    dev_fraction: float = 0.2
+    prompts_per_update: int = 4
+    samples_per_prompt: int = 4
+    max_concurrent_attempts: int = 8
+    max_turns: int = 4
+    max_tokens_per_turn: int = 96
+    max_tokens_per_trajectory: int = 384
+    observation_head_tokens: int = 128
+    observation_tail_tokens: int = 128
+    reward_scheme: Literal["seta", "binary"] = "seta"
+
+
+@dataclass
+class WarmStartSettings:
+    """A short supervised warm start on the tasks' reference solutions (0 steps: none)."""
+
+    steps: int = 0
+    lr: float = 3e-3
+    near_misses: bool = True
+    """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+
+
+@dataclass
+class FitResult:
+    """What one ``fit`` run did: per-update mean training reward and step time, and where things were written."""
+
+    mean_rewards: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    out_dir: str = ""
+
+
+def fit(
+    objective: Literal["grpo", "opd"] = "grpo",
+    schedule: Literal["sync", "thundersync"] = "thundersync",
+    updates: int = 8,
+    seed: int = 42,
+    out_dir: str = "runs/quickstart",
+    model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings, never mutated
+    rollout: RolloutSettings = RolloutSettings(),  # noqa: B008
+    warm_start: WarmStartSettings = WarmStartSettings(),  # noqa: B008
+    optimizer: OptimizerSettings = OptimizerSettings(),  # noqa: B008
+    advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
+    max_grad_norm: float = 1.0,
+    group_admission_cap: int | None = None,
+    available_flops: float | None = None,
+    progress: bool = True,
+) -> FitResult:
+    """Train a policy with exact gradient streaming on the agentic tasks.
+
+    Args:
+        objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
+        schedule: ``thundersync`` releases each source's learner work when it is ready; ``sync`` waits for the batch.
+        updates: Optimizer updates (logical batches).
+        seed: Run seed: model init, task order, sampling seeds.
+        out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
+        model: The policy and teacher.
+        rollout: Rollout pool, tasks and agent limits.
+        warm_start: Supervised warm start before RL.
+        optimizer: AdamW settings (Table 5: lr 1e-6; the quickstart uses a larger lr to learn within minutes).
+        advantage: GRPO advantage estimator.
+        max_grad_norm: Global-norm clipping of the batch direction.
+        group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
+        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
+            table has no entry; on GPUs ``None`` reads Lightning's table.
+        progress: Show a progress bar.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(_resolved_config(locals()), indent=2, default=str))
+    torch.manual_seed(seed)
+
+    tasks = _training_tasks(rollout)
+    policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
+    engine = _start_engine(rollout, policy_dir, model.dtype)
+    teacher = _start_teacher(model, seed) if objective == "opd" else None
+    datamodule = RolloutDataModule(
+        engine,
+        tokenizer,
+        tasks,
+        lambda task: TerminalTaskAttempt(task, rollout.reward_scheme),
+        objective,
+        rollout.prompts_per_update,
+        rollout.samples_per_prompt,
+        _agent_limits(rollout),
+        teacher,
+        seed,
+        max_concurrent_attempts=rollout.max_concurrent_attempts,
+    )
+    fabric = L.Fabric(
+        accelerator="cpu",
+        devices=1,
+        loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
+        callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
+            BatchBarrier(),
+            GradientClipping(max_grad_norm),
+            WeightPublisher(engine),
+            StalenessMonitor(max_policy_lag=0),
+            MFUMonitor(available_flops=available_flops),
+            ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
+        ],
+    )
+    fabric.launch()
+    module = StreamingPolicyModule(
+        policy,
+        objective,
+        schedule,
+        advantage,
+        max_grad_norm=None,
+        group_admission_cap=group_admission_cap,
+        optimizer=optimizer,
+    )
+    module, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
+    try:
+        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out)
+    finally:
+        engine.close()
+        if teacher is not None:
+            teacher.close()
+
+
+def _run_updates(fabric, module, optimizer, datamodule, updates: int, progress: bool, out: Path) -> FitResult:
+    result = FitResult(out_dir=str(out))
+    fabric.call("on_train_start", trainer=fabric, pl_module=module)
+    bar = tqdm(range(updates), desc="updates", disable=not progress)
+    for update in bar:
+        start = time.perf_counter()
+        _one_update(fabric, module, optimizer, datamodule, update)
+        rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
+        result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
+        result.step_seconds.append(time.perf_counter() - start)
+        fabric.log_dict({"train/mean_reward": result.mean_rewards[-1]}, step=update)
+        bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
+    fabric.call("on_train_end", trainer=fabric, pl_module=module)
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def _one_update(fabric, module, optimizer, datamodule, update: int) -> None:
+    """One logical batch: ingest ready items as they arrive, then the barrier, the step and publication."""
+    stream = datamodule.stream_update(update)
+    waited = 0.0
+    while True:
+        before = time.perf_counter()
+        item = next(stream)
+        waited += time.perf_counter() - before
+        module.ingest(item)
+        # Keyword arguments: Fabric passes each callback only the names its hook takes (the module is one too).
+        if isinstance(item, BatchPlan):
+            fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=update)
+        elif isinstance(item, BatchClosed):
+            module.update_timings["rollout_wait_s"] = waited
+
+            def before_step() -> None:
+                fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=module, optimizer=optimizer)
+
+            module.barrier(optimizer, before_step=before_step)
+            fabric.call(
+                "on_train_batch_end",
+                trainer=fabric,
+                pl_module=module,
+                outputs=module.last_update,
+                batch=item,
+                batch_idx=update,
+            )
+            return
+
+
+def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:
+    root = Path(rollout.tasks) if rollout.tasks else library_dir()
+    tasks = [TerminalTask.load(d) for d in find_task_dirs(root)]
+    if rollout.split != "all":
+        tasks = [t for t in tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
+    if not tasks:
+        raise ValueError(f"rollout.split={rollout.split!r} leaves no tasks in {root}; use split: all or more tasks")
+    return tasks
+
+
+def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
+    """Load (or build) the policy, warm-start it, and save it where the rollout engine loads it."""
+    source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", TinyModelConfig(seed=seed))
+    policy, tokenizer = load_tiny_model(source)
+    if warm_start.steps:
+        loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
+        demos = _demonstrations(tasks, warm_start.near_misses)
+        supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
+    policy_dir = out / "policy-0"
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    return policy, tokenizer, policy_dir
+
+
+def _demonstrations(tasks, near_misses: bool) -> list[Demonstration]:
+    demos = [reference_demonstration(t) for t in tasks if t.solution_script is not None]
+    if near_misses:
+        demos += [_near_miss(d) for d in demos]
+    return demos
+
+
+def _near_miss(demo: Demonstration) -> Demonstration:
+    """The reference command with its last line dropped (or, for one-liners, with no output redirection): usually
+    partially right, so its verifier scores between the no-op's and the reference's."""
+    action = demo.turns[0][0].removeprefix("<bash>").removesuffix("</bash>")
+    lines = action.splitlines()
+    wrong = "\n".join(lines[:-1]) if len(lines) > 1 else action.split(">")[0].strip()
+    return Demonstration(demo.instruction, ((f"<bash>{wrong}</bash>", "[exit code 0]"), ("<finish/>", "")))
+
+
+def _agent_limits(rollout: RolloutSettings) -> AgentLimits:
+    return AgentLimits(
+        max_turns=rollout.max_turns,
+        max_tokens_per_turn=rollout.max_tokens_per_turn,
+        max_tokens_per_trajectory=rollout.max_tokens_per_trajectory,
+        observation=ObservationWindow(rollout.observation_head_tokens, rollout.observation_tail_tokens),
+    )
+
+
+def _start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
+    if rollout.engine == "vllm":
+        from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(policy_dir, dtype=dtype)
+    from tslightning.rollout.hf_engine import HFRolloutEngine
+
+    return HFRolloutEngine(policy_dir, dtype=dtype, replicas=rollout.replicas)
+
+
+def _start_teacher(model: ModelSettings, seed: int) -> TeacherScorer:
+    if model.teacher_path:
+        teacher, _ = load_tiny_model(model.teacher_path)
+    else:
+        from tslightning.tiny_model import build_tiny_model, build_tokenizer
+
+        teacher = build_tiny_model(TinyModelConfig(seed=seed + 1), build_tokenizer())
+    return TeacherScorer(teacher)
+
+
+def _resolved_config(arguments: dict) -> dict:
+    return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in arguments.items() if k != "out"}
+
+
+__all__ = ["FitResult", "ModelSettings", "RolloutSettings", "WarmStartSettings", "fit", "Objective", "Schedule"]

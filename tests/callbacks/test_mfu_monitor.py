@@ -1,0 +1,219 @@
+"""MFUMonitor: Eq. 10 per update with the verl breakdown, under direct hooks, a Trainer and Fabric; peak resolution."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.loggers import Logger
+from torch.utils.data import DataLoader
+
+from tslightning.callbacks import MFUMonitor
+from tslightning.learner_flops import DecoderShape, learner_flops
+from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.sources import BatchClosed, TrajectorySource
+from tslightning.streaming_module import StreamingPolicyModule
+
+SMALL = WorkloadShape(
+    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
+)
+PEAK = 1e9  # FLOP/s per device: a CPU has no entry in Lightning's table
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class RecordingLogger(Logger):
+    def __init__(self) -> None:
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
+    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
+
+
+def expected_flops(module: StreamingPolicyModule, batch: ReplayBatch) -> int:
+    """F_k^train from the batch itself: every trajectory's full token count, full fine-tuning."""
+    shape = DecoderShape.from_config(module.policy.config)
+    return sum(learner_flops(shape, s.token_ids.numel()) for s in batch.items if isinstance(s, TrajectorySource))
+
+
+def batch_tokens(batch: ReplayBatch) -> int:
+    return sum(s.token_ids.numel() for s in batch.items if isinstance(s, TrajectorySource))
+
+
+def _at(monkeypatch: pytest.MonkeyPatch, now: float, hook, *args) -> None:
+    """Call ``hook`` with ``time.perf_counter`` frozen at ``now``."""
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "perf_counter", lambda: now)
+        hook(*args)
+
+
+@pytest.mark.parametrize("rollout_wait_s", [None, 7.0])
+def test_exact_mfu_and_breakdown_of_a_synthetic_update(make_policy, vocab_size, monkeypatch, rollout_wait_s):
+    logger = RecordingLogger()
+    fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    monitor = MFUMonitor(available_flops=PEAK)
+    module = StreamingPolicyModule(make_policy())
+    batch = grpo_batch(vocab_size)
+
+    _at(monkeypatch, 100.0, monitor.on_train_batch_start, fabric, module, batch.plan, 0)
+    for item in batch.stream():
+        module.ingest(item)
+    module.barrier(module.configure_optimizers())
+    # The phases as the module, the loop and the WeightPublisher would have recorded them.
+    module.update_timings.update(learner_service_s=3.0, barrier_s=0.5, publication_s=1.0)
+    if rollout_wait_s is not None:
+        module.update_timings["rollout_wait_s"] = rollout_wait_s
+    _at(monkeypatch, 112.5, monitor.on_train_batch_end, fabric, module, None, BatchClosed(0), len(batch.items))
+
+    (measurement,) = monitor.history
+    flops, tokens = expected_flops(module, batch), batch_tokens(batch)
+    assert measurement.learner_flops == flops and measurement.num_tokens == tokens
+    assert measurement.mfu == flops / (12.5 * PEAK * 1)
+    assert measurement.metrics() == {
+        "timing_s/step": 12.5,
+        "timing_s/gen": 8.0 if rollout_wait_s is None else rollout_wait_s,  # 12.5 − 3 − 0.5 − 1
+        "timing_s/update_actor": 3.0,
+        "timing_s/barrier": 0.5,
+        "timing_s/update_weights": 1.0,
+        "perf/mfu/actor": flops / (12.5 * PEAK),
+        "perf/total_num_tokens": float(tokens),
+        "perf/throughput": tokens / 12.5,
+    }
+    ((step, logged),) = logger.logged
+    assert step == 0 and logged == {**measurement.metrics(), "perf/mfu/actor_avg": measurement.mfu}
+
+
+def _trainer(tmp_path, callbacks) -> L.Trainer:
+    return L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+
+
+def _check_real_update(monitor: MFUMonitor, module: StreamingPolicyModule, batch: ReplayBatch) -> None:
+    (m,) = monitor.history
+    assert m.learner_flops == expected_flops(module, batch) and m.num_tokens == batch_tokens(batch)
+    assert m.step_s > 0 and m.learner_service_s > 0 and m.barrier_s > 0 and m.rollout_wait_s >= 0
+    assert m.rollout_wait_s + m.learner_service_s + m.barrier_s + m.publication_s == pytest.approx(m.step_s)
+    assert m.mfu == m.learner_flops / (m.step_s * PEAK)
+    assert monitor.mean_step_time() == m.step_s and monitor.mean_mfu() == m.mfu
+
+
+def test_under_a_trainer(make_policy, vocab_size, tmp_path):
+    monitor, module, batch = MFUMonitor(PEAK), StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
+    _trainer(tmp_path, [monitor]).fit(module, train_dataloaders=DataLoader(list(batch.stream()), batch_size=None))
+    _check_real_update(monitor, module, batch)
+
+
+def test_under_fabric_call(make_policy, vocab_size):
+    monitor = MFUMonitor(available_flops=PEAK)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[monitor])
+    module, batch = StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
+    fabric_module, _ = fabric.setup(module, module.configure_optimizers())
+    for index, item in enumerate(batch.stream()):
+        # Keywords: the set-up LightningModule is a Fabric callback too, with its own hook signatures.
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=fabric_module, batch=item, batch_idx=index)
+        fabric_module.training_step(item, index)
+        fabric.call(
+            "on_train_batch_end", trainer=fabric, pl_module=fabric_module, outputs=None, batch=item, batch_idx=index
+        )
+    _check_real_update(monitor, module, batch)
+
+
+def test_cpu_without_available_flops_names_the_override(make_policy, vocab_size, tmp_path):
+    batch = grpo_batch(vocab_size)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match=r"MFUMonitor\(available_flops=\.\.\.\)"):
+        MFUMonitor().on_train_batch_start(fabric, StreamingPolicyModule(make_policy()), batch.plan, 0)
+    module = StreamingPolicyModule(make_policy())
+    with pytest.raises(ValueError, match="available_flops"):
+        _trainer(tmp_path, [MFUMonitor()]).fit(module, DataLoader(list(batch.stream()), batch_size=None))
+    assert module.policy_version == 0  # refused before the first update's work
+
+
+def test_constructor_reports_every_problem():
+    with pytest.raises(ValueError, match="available_flops.*window.*warmup_updates"):
+        MFUMonitor(available_flops=0.0, window=0, warmup_updates=-1)
+
+
+def test_warmup_window_and_state_dict(make_policy, vocab_size, monkeypatch):
+    """Means leave out warm-up updates (App. B.2) over the kept window; the history survives a checkpoint."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    monitor = MFUMonitor(available_flops=PEAK, window=3, warmup_updates=2)
+    module = SimpleNamespace(policy=make_policy(torch.float32), service_log=[], update_timings={})
+    clock = [0.0]
+    for version, step_s in enumerate([10.0, 20.0, 30.0, 40.0]):
+        plan = grpo_batch(vocab_size, version).plan
+        _at(monkeypatch, clock[0], monitor.on_train_batch_start, fabric, module, plan, 0)
+        clock[0] += step_s
+        _at(monkeypatch, clock[0], monitor.on_train_batch_end, fabric, module, None, BatchClosed(version), 1)
+    assert [m.index for m in monitor.history] == [1, 2, 3]  # window=3 keeps the last three
+    assert [m.policy_version for m in monitor.history] == [1, 2, 3]
+    assert monitor.mean_step_time() == 35.0 and monitor.mean_step_time(after_warmup=False) == 30.0
+    assert monitor.mean_mfu() == 0.0  # no sources served: no learner FLOPs
+
+    restored = MFUMonitor(available_flops=PEAK, window=3, warmup_updates=2)
+    restored.load_state_dict(monitor.state_dict())
+    assert list(restored.history) == list(monitor.history) and restored.mean_step_time() == 35.0
+    assert restored.state_dict() == monitor.state_dict()
+    with pytest.raises(ValueError, match="after warm-up"):
+        MFUMonitor(warmup_updates=1).mean_step_time()
+
+
+def test_two_ranks_sum_learner_flops_over_every_learner_device(make_policy, vocab_size, monkeypatch):
+    """Eq. 10 over D learner devices: F_k sums each rank's sources; the capacity is step × D × peak."""
+    reduced = []
+
+    def all_reduce(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        reduced.append(reduce_op)
+        return tensor * 2  # the other rank served the same work
+
+    owner = SimpleNamespace(
+        world_size=2,
+        global_rank=1,
+        loggers=[RecordingLogger()],
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), all_reduce=all_reduce),
+    )
+    monitor, module, batch = MFUMonitor(PEAK), StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
+    _at(monkeypatch, 0.0, monitor.on_train_batch_start, owner, module, batch.plan, 0)
+    for item in batch.stream():
+        module.ingest(item)
+    module.barrier(module.configure_optimizers())
+    _at(monkeypatch, 4.0, monitor.on_train_batch_end, owner, module, None, BatchClosed(0), 1)
+    (m,) = monitor.history
+    flops = 2 * expected_flops(module, batch)
+    assert reduced == ["sum"] and m.learner_flops == flops and m.num_tokens == 2 * batch_tokens(batch)
+    assert m.mfu == flops / (4.0 * PEAK * 2) and m.throughput == 2 * batch_tokens(batch) / (4.0 * 2)
+    assert owner.loggers[0].logged == []  # only global rank 0 logs

@@ -1,0 +1,145 @@
+"""ReleaseTraceRecorder: one JSONL record per served source and one per update, per rank, read back by read_trace."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tslightning.callbacks import ReleaseTraceRecorder, read_trace
+from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch, synthetic_opd_batch
+from tslightning.rollout.rollout_datamodule import ReadyRecord
+from tslightning.sources import BatchClosed, TrajectorySource, TurnSource
+from tslightning.streaming_module import StreamingPolicyModule
+
+SMALL = WorkloadShape(
+    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _key(kind: str, group: str, trajectory: int, turn: int | None) -> tuple:
+    return kind, group, trajectory, turn
+
+
+def _source_key(item) -> tuple:
+    return _key(type(item).__name__, item.group_id, item.trajectory_index, getattr(item, "turn_index", None))
+
+
+def fake_datamodule(batch: ReplayBatch, update: int = 0) -> SimpleNamespace:
+    """A datamodule's readiness record: item i became ready at 0.1·(i + 1) s; every group is one task."""
+    log = [
+        ReadyRecord(
+            update=update,
+            kind=type(item).__name__,
+            group_id=getattr(item, "group_id", None),
+            trajectory_index=getattr(item, "trajectory_index", None),
+            turn_index=getattr(item, "turn_index", None),
+            policy_version=batch.plan.policy_version,
+            ready_time=0.1 * (i + 1),
+        )
+        for i, item in enumerate(batch.items)
+    ]
+    trajectories = [
+        SimpleNamespace(
+            task_id=f"task-of-{item.group_id}", group_id=item.group_id, trajectory_index=item.trajectory_index
+        )
+        for item in batch.items
+        if isinstance(item, TrajectorySource) or (isinstance(item, TurnSource) and item.turn_index == 0)
+    ]
+    return SimpleNamespace(ready_log=log, trajectories={update: trajectories})
+
+
+def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publication_s: float) -> None:
+    """Our Fabric loop: hooks through ``fabric.call`` (keywords), the barrier at BatchClosed, then publication."""
+    for index, item in enumerate(batch.stream()):
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=index)
+        module.training_step(item, index)
+        if isinstance(item, BatchClosed):
+            module.update_timings["publication_s"] = publication_s  # what a WeightPublisher records
+        fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_trace_under_fabric_with_datamodule_readiness(make_policy, teacher64, vocab_size, tmp_path, objective):
+    generator = torch.Generator().manual_seed(3)
+    if objective == "grpo":
+        batch = synthetic_grpo_batch(vocab_size, 0, generator, SMALL)
+    else:
+        batch = synthetic_opd_batch(vocab_size, 0, generator, teacher64, SMALL)
+    datamodule = fake_datamodule(batch)
+    recorder = ReleaseTraceRecorder(tmp_path / "trace", datamodule=datamodule)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[recorder])
+    module = StreamingPolicyModule(make_policy(), objective=objective)
+    fabric_module, _ = fabric.setup(module, module.configure_optimizers())
+    run_with_fabric_calls(fabric, fabric_module, batch, publication_s=0.25)
+
+    path = tmp_path / "trace" / "trace-rank0.jsonl"
+    records = read_trace(path)
+    assert records == [json.loads(line) for line in path.read_text().splitlines()]
+    assert read_trace(tmp_path / "trace") == records  # the directory form reads every rank's file
+    *sources, update = records
+    items = {_source_key(s): s for s in batch.items if isinstance(s, TrajectorySource | TurnSource)}
+    ready = {_key(r.kind, r.group_id, r.trajectory_index, r.turn_index): r.ready_time for r in datamodule.ready_log}
+    assert len(sources) == len(items) and {r["record"] for r in sources} == {"source"}
+    starts = [r["service_start"] for r in sources]
+    assert starts == sorted(starts) and all(0 <= r["service_start"] <= r["service_end"] for r in sources)
+    for r in sources:
+        key = _key(r["kind"], r["group"], r["trajectory"], r["turn"])
+        item = items.pop(key)
+        assert r["tokens"] == item.token_ids.numel() and r["scored_tokens"] == item.num_scored
+        assert r["ready_time"] == ready[key] and r["task"] == f"task-of-{item.group_id}"
+        assert r["policy_version"] == 0 and r["rank"] == 0 and r["update"] == 0 and r["deferred_completion"] is None
+        assert r["turn"] is None if objective == "grpo" else isinstance(r["turn"], int)
+    assert not items  # every source exactly once
+    assert update == {
+        "record": "update",
+        "update": 0,
+        "rank": 0,
+        "rollout_close": datamodule.ready_log[-1].ready_time,  # BatchClosed's ready time R
+        "learner_service_s": module.update_timings["learner_service_s"],
+        "barrier_s": module.update_timings["barrier_s"],
+        "publication_s": 0.25,
+        "update_end": update["update_end"],
+        "num_sources": len(sources),
+    }
+    assert update["update_end"] >= sources[-1]["service_end"]
+
+
+def test_trace_under_a_trainer_appends_each_update(make_policy, vocab_size, tmp_path):
+    """Without a datamodule τ_j is the service start and R the moment the learner saw BatchClosed."""
+    batches = [synthetic_grpo_batch(vocab_size, k, torch.Generator().manual_seed(k), SMALL) for k in (0, 1)]
+    recorder = ReleaseTraceRecorder(tmp_path)
+    L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    ).fit(
+        StreamingPolicyModule(make_policy()),
+        train_dataloaders=DataLoader([item for b in batches for item in b.stream()], batch_size=None),
+    )
+    records = read_trace(recorder.trace_file(0))
+    for k, batch in enumerate(batches):
+        *sources, update = [r for r in records if r["update"] == k]
+        assert len(sources) == sum(isinstance(i, TrajectorySource) for i in batch.items)
+        assert all(r["ready_time"] == r["service_start"] and r["policy_version"] == k for r in sources)
+        assert update["record"] == "update" and update["publication_s"] == 0.0
+        assert sources[-1]["service_end"] <= update["rollout_close"] <= update["update_end"]
+    assert [r["update"] for r in records if r["record"] == "update"] == [0, 1]

@@ -1,0 +1,206 @@
+"""WeightPublisher: θ_{k+1} published at version k+1 after each update and acknowledged; LoRA merged; real engine."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+from tslightning.callbacks import WeightPublisher
+from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.rollout.engine import GenerationRequest, PublishReceipt, RolloutEngineError
+from tslightning.rollout.hf_engine import HFRolloutEngine
+from tslightning.sources import BatchClosed
+from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.tiny_model import load_tiny_model, save_tiny_model
+
+SMALL = WorkloadShape(
+    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
+)
+HOSTS = ["trainer", "fabric"]
+ENGINE_ATOL = 2e-5  # float32: the engine's cached decode vs one full forward in the learner
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``(step, metrics)`` it is given; works for a Trainer and for Fabric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    name = "memory"
+    version = 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def having(self, key: str) -> list[tuple[int | None, dict[str, float]]]:
+        return [(step, metrics) for step, metrics in self.logged if key in metrics]
+
+
+class FakeEngine:
+    """Records each publication (a copy of the weights); acknowledges ``policy_version + version_offset``."""
+
+    def __init__(self, version_offset: int = 0, hold: threading.Event | None = None) -> None:
+        self.policy_version = 0
+        self.published: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.version_offset = version_offset
+        self.hold = hold
+
+    def publish(self, state_dict, policy_version: int) -> PublishReceipt:
+        if self.hold is not None:
+            self.hold.wait(10)
+        self.published.append((policy_version, {n: t.detach().clone() for n, t in state_dict.items()}))
+        self.policy_version = policy_version
+        return PublishReceipt(policy_version + self.version_offset, replicas=2, seconds=0.0)
+
+
+def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger: Logger, tmp_path) -> None:
+    """Each batch as one update: a Trainer over its stream items, or our Fabric loop calling the hooks."""
+    if host == "trainer":
+        items = [item for batch in batches for item in batch.stream()]
+        L.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        ).fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+        return
+    # Keywords, not positions: fabric.setup registers the LightningModule as a callback too.
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=[logger])
+    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
+    for k, batch in enumerate(batches):
+        for item in batch.stream():
+            wrapped.ingest(item)
+        wrapped.barrier(optimizer)
+        fabric.call(
+            "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
+        )
+
+
+def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
+    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
+
+
+def stub_module(version: int = 1) -> SimpleNamespace:
+    """What the hook reads from a module: its policy, new version and timings."""
+    return SimpleNamespace(policy=torch.nn.Linear(2, 2), policy_version=version, update_timings={})
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_each_update_publishes_the_new_weights_at_the_new_version(make_policy, vocab_size, host, tmp_path):
+    engine, logger = FakeEngine(), MemoryLogger()
+    publisher = WeightPublisher(engine)
+    module = StreamingPolicyModule(make_policy(), optimizer=OptimizerSettings(lr=1e-3))
+    theta0 = {n: t.clone() for n, t in module.policy.state_dict().items()}
+    run_updates(host, module, [grpo_batch(vocab_size, 0), grpo_batch(vocab_size, 1)], [publisher], logger, tmp_path)
+
+    assert [version for version, _ in engine.published] == [1, 2] and module.policy_version == 2
+    (_, first), (_, last) = engine.published
+    final = module.policy.state_dict()
+    assert last.keys() == final.keys() == theta0.keys()
+    assert all(torch.equal(last[n], final[n]) for n in final)
+    assert not torch.equal(first["model.embed_tokens.weight"], theta0["model.embed_tokens.weight"])
+    assert not torch.equal(first["model.embed_tokens.weight"], last["model.embed_tokens.weight"])
+    assert module.update_timings["publication_s"] >= 0.0
+    timings = logger.having("timing_s/update_weights")
+    assert [step for step, _ in timings] == [0, 1]
+    assert timings[-1][1]["timing_s/update_weights"] == module.update_timings["publication_s"]
+    assert publisher.state_dict() == {"published_version": 2, "publications": 2}
+    restored = WeightPublisher(FakeEngine())
+    restored.load_state_dict(publisher.state_dict())
+    assert restored.state_dict() == publisher.state_dict()
+    assert restored.state_key == publisher.state_key == "WeightPublisher{'engine': 'FakeEngine'}"
+
+
+def test_receipt_for_another_version_is_an_error():
+    publisher, module = WeightPublisher(FakeEngine(version_offset=1)), stub_module(version=1)
+    with pytest.raises(RolloutEngineError, match="published θ_1 but the engine acknowledged version 2"):
+        publisher.on_train_batch_end(L.Fabric(accelerator="cpu", devices=1), module, None, BatchClosed(0), 0)
+    assert publisher.published_version is None and "publication_s" not in module.update_timings
+
+
+def test_missing_acknowledgement_times_out():
+    hold = threading.Event()
+    publisher, module = WeightPublisher(FakeEngine(hold=hold), timeout_s=0.05), stub_module(version=1)
+    try:
+        with pytest.raises(RolloutEngineError, match=r"did not acknowledge θ_1 within timeout_s=0.05 s"):
+            publisher.on_train_batch_end(L.Fabric(accelerator="cpu", devices=1), module, None, BatchClosed(0), 0)
+    finally:
+        hold.set()
+    assert publisher.published_version is None
+
+
+def test_only_batch_closed_ends_an_update():
+    engine = FakeEngine()
+    publisher = WeightPublisher(engine)
+    publisher.on_train_batch_end(L.Fabric(accelerator="cpu", devices=1), stub_module(), None, object(), 0)
+    assert engine.published == []
+
+
+def test_lora_policy_publishes_merged_weights_and_keeps_its_adapters(make_policy, vocab_size):
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(make_policy(), config)
+    adapters = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    weights = publishable_state_dict(policy)
+
+    served, base = make_policy(), make_policy()
+    assert weights.keys() == served.state_dict().keys()
+    served.load_state_dict(weights)
+    ids = torch.randint(0, vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        torch.testing.assert_close(served(input_ids=ids).logits, expected, atol=1e-12, rtol=0)
+        assert (base(input_ids=ids).logits - expected).abs().max() > 1e-3  # the adapters do change the model
+    assert all(torch.equal(p, adapters[n]) for n, p in policy.named_parameters())
+
+
+def rescore(model: torch.nn.Module, prompt: tuple[int, ...], token_ids: tuple[int, ...]) -> torch.Tensor:
+    """log π(sampled id) from one full forward over prompt + sampled ids, as the learner computes it."""
+    ids = torch.tensor([list(prompt) + list(token_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+def test_hf_engine_serves_the_updated_policy(tmp_path):
+    path = save_tiny_model(tmp_path / "tiny")
+    policy, _ = load_tiny_model(path)
+    theta0_policy = copy.deepcopy(policy)
+    batch = grpo_batch(policy.config.vocab_size)
+    module = StreamingPolicyModule(policy, optimizer=OptimizerSettings(lr=1e-2))
+    source = batch.items[0]
+    prompt = tuple(source.token_ids[: source.prompt_length].tolist())
+    with HFRolloutEngine(path, replicas=1, publish_timeout=60) as engine:
+        publisher = WeightPublisher(engine, timeout_s=60)
+        run_updates("fabric", module, [batch], [publisher], MemoryLogger(), tmp_path)
+        assert engine.policy_version == 1 == publisher.published_version
+        (generation,) = engine.generate([GenerationRequest("probe", prompt, 8, seed=5)], timeout=60)
+    assert generation.policy_version == 1
+    served = torch.tensor(generation.logprobs)
+    torch.testing.assert_close(served, rescore(policy, prompt, generation.token_ids), atol=ENGINE_ATOL, rtol=0)
+    assert (served - rescore(theta0_policy, prompt, generation.token_ids)).abs().max() > 1e-3
