@@ -51,6 +51,20 @@ class ModelSettings:
     teacher_path: str | None = None
     """OPD teacher checkpoint; ``None`` uses the embedded tiny model with another seed."""
     dtype: Literal["float32", "bfloat16"] = "float32"
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter instead of every weight (publication merges it into the served weights)."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA through peft (App. D.1: r 32, α 64, dropout 0; the base weights stay frozen)."""
+
+    r: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @dataclass
@@ -253,6 +267,14 @@ def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
     policy_dir = out / "policy-0"
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
+    if model.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = model.lora
+        config = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+        )
+        policy = get_peft_model(policy, config)
     return policy, tokenizer, policy_dir
 
 
