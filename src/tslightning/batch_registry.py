@@ -158,8 +158,8 @@ class BatchRegistry:
             raise SourceError(f"{kind} in a {self.plan.objective.value} batch; the objective is fixed by BatchPlan")
         if item.policy_version != self.plan.policy_version:
             raise PolicyVersionError(
-                f"{kind}.policy_version is {item.policy_version} but the learner holds θ_{self.plan.policy_version}; "
-                "zero-staleness schedules never use a source sampled by another policy"
+                f"{kind}.policy_version is {item.policy_version} but logical batch B_{self.plan.policy_version} is "
+                f"sampled by θ_{self.plan.policy_version}; a batch never mixes sources of another policy version"
             )
         if item.trajectory_index >= group.size:
             raise SourceError(

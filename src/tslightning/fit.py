@@ -9,6 +9,7 @@ the weight publisher installs θ_{k+1} on every rollout replica before update k+
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,7 +111,7 @@ class FitResult:
 
 def fit(
     objective: Literal["grpo", "opd"] = "grpo",
-    schedule: Literal["sync", "thundersync"] = "thundersync",
+    schedule: Literal["sync", "thundersync", "async"] = "thundersync",
     updates: int = 8,
     seed: int = 42,
     out_dir: str = "runs/quickstart",
@@ -128,7 +129,9 @@ def fit(
 
     Args:
         objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
-        schedule: ``thundersync`` releases each source's learner work when it is ready; ``sync`` waits for the batch.
+        schedule: ``thundersync`` releases each source's learner work when it is ready; ``sync`` waits for the batch;
+            ``async`` is one-step-off: batch k is sampled from θ_{k−1} while the learner computes update k−1, and
+            the learner evaluates the same surrogate at θ_k without importance correction (App. D.4, policy lag 1).
         updates: Optimizer updates (logical batches).
         seed: Run seed: model init, task order, sampling seeds.
         out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
@@ -165,15 +168,16 @@ def fit(
         seed,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
     )
+    lag = 1 if schedule == "async" else 0
     fabric = L.Fabric(
         accelerator="cpu",
         devices=1,
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
-            BatchBarrier(),
+            BatchBarrier(zero_staleness=lag == 0),
             GradientClipping(max_grad_norm),
             WeightPublisher(engine),
-            StalenessMonitor(max_policy_lag=0),
+            StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
         ],
@@ -182,28 +186,35 @@ def fit(
     module = StreamingPolicyModule(
         policy,
         objective,
-        schedule,
+        "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped with rollout
         advantage,
         max_grad_norm=None,
         group_admission_cap=group_admission_cap,
         optimizer=optimizer,
+        max_policy_lag=lag,
     )
     module, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
     try:
-        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out)
+        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule)
     finally:
         engine.close()
         if teacher is not None:
             teacher.close()
 
 
-def _run_updates(fabric, module, optimizer, datamodule, updates: int, progress: bool, out: Path) -> FitResult:
+def _run_updates(
+    fabric, module, optimizer, datamodule, updates: int, progress: bool, out: Path, schedule: str = "thundersync"
+) -> FitResult:
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
     bar = tqdm(range(updates), desc="updates", disable=not progress)
+    prefetched = _Prefetch(datamodule, 0) if schedule == "async" else None
     for update in bar:
         start = time.perf_counter()
-        _one_update(fabric, module, optimizer, datamodule, update)
+        if prefetched is None:
+            _one_update(fabric, module, optimizer, datamodule, update)
+        else:
+            prefetched = _one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
         rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
         result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
         result.step_seconds.append(time.perf_counter() - start)
@@ -244,6 +255,57 @@ def _one_update(fabric, module, optimizer, datamodule, update: int) -> None:
                 batch_idx=update,
             )
             return
+
+
+class _Prefetch:
+    """Runs one update's rollouts to completion on a background thread (the ``async`` schedule's overlap)."""
+
+    def __init__(self, datamodule: RolloutDataModule, update: int) -> None:
+        self.items: list = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(datamodule, update), daemon=True)
+        self._thread.start()
+
+    def _run(self, datamodule: RolloutDataModule, update: int) -> None:
+        try:
+            self.items.extend(datamodule.stream_update(update))
+        except BaseException as error:  # re-raised in the loop
+            self.error = error
+
+    def result(self) -> list:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.items
+
+
+def _one_step_off_update(fabric, module, optimizer, datamodule, update: int, updates: int, batch: _Prefetch):
+    """Learn update k on the batch sampled from θ_{k−1} while batch k+1 is sampled from θ_k; publish θ_{k+1} only
+    after that rollout finished, so every batch is sampled by a single policy version (App. D.4)."""
+    before = time.perf_counter()
+    items = batch.result()
+    following = _Prefetch(datamodule, update + 1) if update + 1 < updates else None
+    module.update_timings["rollout_wait_s"] = time.perf_counter() - before
+    for item in items:
+        module.ingest(item)
+        if isinstance(item, BatchPlan):
+            fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=update)
+
+    def before_step() -> None:
+        fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=module, optimizer=optimizer)
+
+    module.barrier(optimizer, before_step=before_step)
+    if following is not None:
+        following.result()  # the overlapped rollout must finish before θ_{k+1} is published
+    fabric.call(
+        "on_train_batch_end",
+        trainer=fabric,
+        pl_module=module,
+        outputs=module.last_update,
+        batch=items[-1],
+        batch_idx=update,
+    )
+    return following
 
 
 def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:

@@ -127,6 +127,9 @@ class StreamingPolicyModule(L.LightningModule):
         optimizer: AdamW settings used by :meth:`configure_optimizers`.
         accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
         sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule.
+        max_policy_lag: How many versions a batch's sampling policy may trail the learner's θ_k: 0 for the
+            zero-staleness schedules; 1 for one-step-off ``async`` (sampled from θ_{k−1}, evaluated at θ_k without
+            importance correction, App. D.4).
     """
 
     def __init__(
@@ -141,10 +144,13 @@ class StreamingPolicyModule(L.LightningModule):
         optimizer: OptimizerSettings | None = None,
         accumulator_dtype: torch.dtype | None = None,
         sync_micro_batch_size: int = 8,
+        max_policy_lag: int = 0,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or None (Table 5 uses 1.0); got {max_grad_norm}")
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0; got {max_policy_lag}")
         if sync_micro_batch_size < 1:
             raise ValueError(f"sync_micro_batch_size must be >= 1; got {sync_micro_batch_size}")
         self.automatic_optimization = False
@@ -156,6 +162,7 @@ class StreamingPolicyModule(L.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.sync_micro_batch_size = sync_micro_batch_size
+        self.max_policy_lag = max_policy_lag
         self.policy_version = 0
         self.num_optimizer_steps = 0
         self.layout = ParameterLayout(policy.parameters())
@@ -186,9 +193,12 @@ class StreamingPolicyModule(L.LightningModule):
         """Register logical batch B_k (Algorithm 1, line 3) at the current snapshot θ_k."""
         if self._registry is not None:
             raise SourceError(f"BatchPlan for version {plan.policy_version} while batch {self.policy_version} is open")
-        if plan.policy_version != self.policy_version:
+        lag = self.policy_version - plan.policy_version
+        if not 0 <= lag <= self.max_policy_lag:
             raise PolicyVersionError(
-                f"BatchPlan.policy_version is {plan.policy_version} but the learner holds θ_{self.policy_version}"
+                f"BatchPlan.policy_version is {plan.policy_version} but the learner holds θ_{self.policy_version} "
+                f"and accepts a policy lag of at most {self.max_policy_lag}"
+                + (" (zero-staleness schedule)" if self.max_policy_lag == 0 else "")
             )
         if plan.objective is not self.objective:
             raise SourceError(
