@@ -35,3 +35,50 @@ def test_quickstart_fit_runs_end_to_end(tmp_path):
     assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
     trace = list((out / "trace").rglob("*.jsonl"))
     assert trace and trace[0].read_text().strip()
+
+
+def _lags(out):
+    import csv
+
+    rows = list(csv.DictReader(next((out / "csv").rglob("metrics.csv")).open()))
+    return [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")]
+
+
+def _short_fit(out, schedule, *extra):
+    cli.main(
+        [
+            "fit",
+            "--config",
+            "configs/quickstart.yaml",
+            "--updates",
+            "3",
+            "--warm_start.steps",
+            "150",
+            "--rollout.prompts_per_update",
+            "2",
+            "--rollout.samples_per_prompt",
+            "2",
+            "--out_dir",
+            str(out),
+            "--progress",
+            "false",
+            "--schedule",
+            schedule,
+            *extra,
+        ]
+    )
+    return json.loads((out / "rewards.json").read_text())
+
+
+def test_async_is_one_step_off(tmp_path):
+    """Batch 0 comes from θ_0 (lag 0); every later batch was sampled one version behind the learner."""
+    rewards = _short_fit(tmp_path / "async", "async")
+    assert len(rewards["mean_rewards"]) == 3
+    assert _lags(tmp_path / "async") == [0.0, 1.0, 1.0]
+
+
+def test_fully_async_records_a_bounded_lag(tmp_path):
+    rewards = _short_fit(tmp_path / "fa", "fully_async", "--staleness_bound", "1")
+    lags = _lags(tmp_path / "fa")
+    assert len(rewards["mean_rewards"]) == 3 and len(lags) == 3
+    assert all(0.0 <= lag <= 1.0 for lag in lags)

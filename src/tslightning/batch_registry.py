@@ -49,6 +49,9 @@ class BatchPlan:
     policy_version: int
     group_sizes: Mapping[str, int]
     global_num_prompts: int | None = None
+    oldest_policy_version: int | None = None
+    """``fully_async`` only: sources may carry any version in [oldest, policy_version] (trajectories that started
+    before a publication finish under the new weights). ``None``: every source carries ``policy_version``."""
 
     def __post_init__(self) -> None:
         if not self.group_sizes:
@@ -59,6 +62,10 @@ class BatchPlan:
             raise SourceError(f"BatchPlan.group_sizes must map each group id to an int >= 1; bad entries: {bad}")
         if self.global_num_prompts is not None:
             check_int("BatchPlan", "global_num_prompts", self.global_num_prompts, minimum=1)
+        if self.oldest_policy_version is not None:
+            check_int("BatchPlan", "oldest_policy_version", self.oldest_policy_version)
+            if self.oldest_policy_version > self.policy_version:
+                raise SourceError("BatchPlan.oldest_policy_version must not exceed policy_version")
         if self.global_num_prompts is not None and self.global_num_prompts < len(self.group_sizes):
             raise SourceError(
                 f"BatchPlan.global_num_prompts={self.global_num_prompts} is below this rank's {len(self.group_sizes)} "
@@ -69,6 +76,12 @@ class BatchPlan:
     def num_prompts(self) -> int:
         """P, the number of prompts (groups) in the whole logical batch."""
         return self.global_num_prompts or len(self.group_sizes)
+
+    @property
+    def allowed_versions(self) -> range:
+        """Policy versions a source of this batch may carry."""
+        oldest = self.policy_version if self.oldest_policy_version is None else self.oldest_policy_version
+        return range(oldest, self.policy_version + 1)
 
     @property
     def num_trajectories(self) -> int:
@@ -156,7 +169,7 @@ class BatchRegistry:
         kind = type(item).__name__
         if self.plan.objective is not objective:
             raise SourceError(f"{kind} in a {self.plan.objective.value} batch; the objective is fixed by BatchPlan")
-        if item.policy_version != self.plan.policy_version:
+        if item.policy_version not in self.plan.allowed_versions:
             raise PolicyVersionError(
                 f"{kind}.policy_version is {item.policy_version} but logical batch B_{self.plan.policy_version} is "
                 f"sampled by θ_{self.plan.policy_version}; a batch never mixes sources of another policy version"
@@ -212,7 +225,7 @@ class BatchRegistry:
             )
 
     def _check_batch_closed(self, item: BatchClosed) -> None:
-        if item.policy_version != self.plan.policy_version:
+        if item.policy_version not in self.plan.allowed_versions:
             raise PolicyVersionError(
                 f"BatchClosed.policy_version is {item.policy_version}, expected {self.plan.policy_version}"
             )

@@ -23,12 +23,16 @@ from tqdm.auto import tqdm
 from tslightning.batch_registry import BatchPlan, Objective
 from tslightning.callbacks import (
     BatchBarrier,
+    GPUClockCheckpoint,
     GradientClipping,
     MFUMonitor,
     ReleaseTraceRecorder,
     StalenessMonitor,
     WeightPublisher,
 )
+from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
+from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.checkpoint_state import STATE_FILE, restore_checkpoint
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -101,6 +105,22 @@ class WarmStartSettings:
 
 
 @dataclass
+class CheckpointSettings:
+    """GPU-clock checkpoints (SPEC §4), each written at the next optimizer boundary; resume with ``--resume DIR``."""
+
+    interval_s: float = 3600.0
+    """GPU-clock seconds between checkpoints: training wall clock × learner devices (one GPU-hour)."""
+    dirpath: str | None = None
+    """Directory of the ``update-<k>`` checkpoints; ``None``: ``<out_dir>/checkpoints``."""
+    keep_last: int | None = 3
+    """Newest checkpoints kept; ``None`` keeps all."""
+    devices: int | None = None
+    """Learner devices the wall clock is multiplied by; ``None``: the world size."""
+    save_last: bool = True
+    """Also checkpoint the final update."""
+
+
+@dataclass
 class FitResult:
     """What one ``fit`` run did: per-update mean training reward and step time, and where things were written."""
 
@@ -111,7 +131,7 @@ class FitResult:
 
 def fit(
     objective: Literal["grpo", "opd"] = "grpo",
-    schedule: Literal["sync", "thundersync", "async"] = "thundersync",
+    schedule: Literal["sync", "thundersync", "async", "fully_async"] = "thundersync",
     updates: int = 8,
     seed: int = 42,
     out_dir: str = "runs/quickstart",
@@ -123,6 +143,9 @@ def fit(
     max_grad_norm: float = 1.0,
     group_admission_cap: int | None = None,
     available_flops: float | None = None,
+    checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
+    resume: str | None = None,
+    staleness_bound: int = 1,
     progress: bool = True,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
@@ -131,7 +154,9 @@ def fit(
         objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
         schedule: ``thundersync`` releases each source's learner work when it is ready; ``sync`` waits for the batch;
             ``async`` is one-step-off: batch k is sampled from θ_{k−1} while the learner computes update k−1, and
-            the learner evaluates the same surrogate at θ_k without importance correction (App. D.4, policy lag 1).
+            the learner evaluates the same surrogate at θ_k without importance correction (App. D.4, policy lag 1);
+            ``fully_async``: rollout never stops, each update takes the first P completed groups, new weights are
+            swapped into the engines in flight, and ``staleness_bound`` limits the policy lag (GRPO).
         updates: Optimizer updates (logical batches).
         seed: Run seed: model init, task order, sampling seeds.
         out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
@@ -144,8 +169,13 @@ def fit(
         group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
         available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
             table has no entry; on GPUs ``None`` reads Lightning's table.
+        checkpoint: When and where checkpoints are written.
+        resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
+            states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
+        staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         progress: Show a progress bar.
     """
+    _check_resume(resume, schedule)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_resolved_config(locals()), indent=2, default=str))
@@ -168,7 +198,7 @@ def fit(
         seed,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
     )
-    lag = 1 if schedule == "async" else 0
+    lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     fabric = L.Fabric(
         accelerator="cpu",
         devices=1,
@@ -180,6 +210,7 @@ def fit(
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
+            _checkpointer(checkpoint, out, seed),  # last: the callback states it saves include the update
         ],
     )
     fabric.launch()
@@ -195,7 +226,8 @@ def fit(
     )
     module, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
     try:
-        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule)
+        first = 0 if resume is None else _resume(resume, fabric, module, fabric_optimizer, engine)
+        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first)
     finally:
         engine.close()
         if teacher is not None:
@@ -203,12 +235,20 @@ def fit(
 
 
 def _run_updates(
-    fabric, module, optimizer, datamodule, updates: int, progress: bool, out: Path, schedule: str = "thundersync"
+    fabric,
+    module,
+    optimizer,
+    datamodule,
+    updates: int,
+    progress: bool,
+    out: Path,
+    schedule: str = "thundersync",
+    first: int = 0,
 ) -> FitResult:
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
-    bar = tqdm(range(updates), desc="updates", disable=not progress)
-    prefetched = _Prefetch(datamodule, 0) if schedule == "async" else None
+    bar = tqdm(range(first, updates), desc="updates", disable=not progress)
+    prefetched = _Prefetch(datamodule, first) if schedule == "async" else None
     for update in bar:
         start = time.perf_counter()
         if prefetched is None:
@@ -308,6 +348,43 @@ def _one_step_off_update(fabric, module, optimizer, datamodule, update: int, upd
     return following
 
 
+def _checkpointer(settings: CheckpointSettings, out: Path, seed: int) -> GPUClockCheckpoint:
+    return GPUClockCheckpoint(
+        settings.dirpath or out / "checkpoints",
+        settings.interval_s,
+        settings.devices,
+        settings.keep_last,
+        seed=seed,
+        config=out / "config.json",
+        save_last=settings.save_last,
+    )
+
+
+def _check_resume(resume: str | None, schedule: str) -> None:
+    if resume is None:
+        return
+    if schedule == "async":
+        raise ValueError(
+            "resume: the async schedule cannot resume exactly (batch k+1 was sampled from θ_k, which a checkpoint "
+            "after update k no longer holds); resume with schedule sync or thundersync"
+        )
+    if not (Path(resume) / STATE_FILE).is_file():
+        raise FileNotFoundError(f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory")
+
+
+def _resume(path: str, fabric, module, optimizer, engine) -> int:
+    """Restore a checkpoint into the set-up module, optimizer and callbacks; returns the next update index.
+
+    The replicas still serve θ_0 from startup: publishing the restored θ_k at version k before update k samples
+    anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's).
+    """
+    point = restore_checkpoint(path, module, [optimizer], checkpointed_callbacks(fabric), fabric.global_rank)
+    if fabric.global_rank == 0:  # the engine lives with global rank 0, as for the WeightPublisher
+        engine.publish(publishable_state_dict(module.policy), point.policy_version)
+    fabric.barrier()
+    return point.next_update
+
+
 def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:
     root = Path(rollout.tasks) if rollout.tasks else library_dir()
     tasks = [TerminalTask.load(d) for d in find_task_dirs(root)]
@@ -389,4 +466,13 @@ def _resolved_config(arguments: dict) -> dict:
     return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in arguments.items() if k != "out"}
 
 
-__all__ = ["FitResult", "ModelSettings", "RolloutSettings", "WarmStartSettings", "fit", "Objective", "Schedule"]
+__all__ = [
+    "CheckpointSettings",
+    "FitResult",
+    "ModelSettings",
+    "RolloutSettings",
+    "WarmStartSettings",
+    "fit",
+    "Objective",
+    "Schedule",
+]

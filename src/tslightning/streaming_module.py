@@ -193,8 +193,8 @@ class StreamingPolicyModule(L.LightningModule):
         """Register logical batch B_k (Algorithm 1, line 3) at the current snapshot θ_k."""
         if self._registry is not None:
             raise SourceError(f"BatchPlan for version {plan.policy_version} while batch {self.policy_version} is open")
-        lag = self.policy_version - plan.policy_version
-        if not 0 <= lag <= self.max_policy_lag:
+        lag = self.policy_version - plan.allowed_versions.start
+        if not 0 <= lag <= self.max_policy_lag or plan.policy_version > self.policy_version:
             raise PolicyVersionError(
                 f"BatchPlan.policy_version is {plan.policy_version} but the learner holds θ_{self.policy_version} "
                 f"and accepts a policy lag of at most {self.max_policy_lag}"

@@ -116,18 +116,15 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_concurrent_attempts = max_concurrent_attempts
         self.ready_log: list[ReadyRecord] = []
         self.trajectories: dict[int, list[AgentTrajectory]] = {}
+        self.dropped_groups = 0
+        """``fully_async``: groups dropped for exceeding the staleness bound."""
         self.update_starts: dict[int, float] = {}
         """``time.perf_counter()`` at each update's first rollout request; ready times are relative to it."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
-        chosen = []
-        for slot in range(update * self.prompts_per_update, (update + 1) * self.prompts_per_update):
-            epoch, position = divmod(slot, len(self.tasks))
-            order = list(range(len(self.tasks)))
-            random.Random(f"{self.run_seed}/{epoch}").shuffle(order)
-            chosen.append(self.tasks[order[position]])
-        return chosen
+        slots = range(update * self.prompts_per_update, (update + 1) * self.prompts_per_update)
+        return [self._task_for_slot(slot) for slot in slots]
 
     def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
         """Run update ``update``'s rollouts; yield its plan, then items in readiness order, ending with BatchClosed."""
@@ -149,6 +146,91 @@ class RolloutDataModule(L.LightningDataModule):
             if isinstance(item, BatchClosed):
                 producer.join()
                 return
+
+    def stream_continuous(
+        self, updates: int, staleness_bound: int, learner_version: Callable[[], int]
+    ) -> Iterator[list[BatchPlan | StreamItem]]:
+        """``fully_async`` (GRPO): rollout never stops; yield one logical batch (a list of items) per update.
+
+        Groups keep starting while at most ``(staleness_bound + 1)·P`` are outstanding; each update takes the first P
+        groups to complete, whatever policy versions their turns were sampled with (publication swaps weights into
+        the engine in flight, so a trajectory can span versions). A group whose oldest turn trails the learner by
+        more than ``staleness_bound`` is dropped and counted in :attr:`dropped_groups`, never trained on silently.
+        """
+        if self.objective is not Objective.GRPO:
+            raise ValueError("fully_async supports objective 'grpo' (OPD turn streaming needs the barrier per batch)")
+        capacity = threading.Semaphore((staleness_bound + 1) * self.prompts_per_update)
+        completed: queue.Queue = queue.Queue()
+        total = (updates + staleness_bound + 1) * self.prompts_per_update
+        stop = threading.Event()
+        producer = threading.Thread(
+            target=lambda: self._produce_continuously(total, capacity, completed, stop), daemon=True
+        )
+        producer.start()
+        try:
+            for update in range(updates):
+                yield self._continuous_batch(update, staleness_bound, learner_version(), completed, capacity)
+        finally:
+            stop.set()
+            for _ in range(total):
+                capacity.release()  # unblock the producer so it can stop
+
+    def _continuous_batch(self, update, staleness_bound, version, completed: queue.Queue, capacity) -> list:
+        groups: list[tuple[str, list[AgentTrajectory]]] = []
+        start = self.update_starts[update] = time.perf_counter()
+        while len(groups) < self.prompts_per_update:
+            item = completed.get()
+            if isinstance(item, _Failure):
+                raise RuntimeError(f"continuous rollout failed: {item.error}") from item.error
+            capacity.release()
+            group_id, members = item
+            if version - min(t.policy_version for t in members) > staleness_bound:
+                self.dropped_groups += 1
+                continue
+            groups.append(item)
+        sources = [t.trajectory_source() for _, members in groups for t in members]
+        oldest = min(s.policy_version for s in sources)
+        plan = BatchPlan(self.objective, version, {g: len(m) for g, m in groups}, oldest_policy_version=oldest)
+        items = [plan, *sources, *(GroupClosed(g) for g, _ in groups), BatchClosed(version)]
+        self.trajectories[update] = [t for _, members in groups for t in members]
+        for item in items[1:]:
+            self._record(update, item, version, time.perf_counter() - start)
+        return items
+
+    def _produce_continuously(self, total: int, capacity, completed: queue.Queue, stop: threading.Event) -> None:
+        async def run() -> None:
+            gate = asyncio.Semaphore(self.max_concurrent_attempts)
+            running = []
+            for slot in range(total):
+                await asyncio.to_thread(capacity.acquire)
+                if stop.is_set():
+                    break
+                task = self._task_for_slot(slot)
+                running.append(asyncio.create_task(self._continuous_group(slot, task, gate, completed)))
+            await asyncio.gather(*running)
+
+        try:
+            asyncio.run(run())
+        except BaseException as error:
+            completed.put(_Failure(error))
+
+    async def _continuous_group(self, slot: int, task: RolloutTask, gate, completed: queue.Queue) -> None:
+        group_id = f"g{slot}/{task.task_id}"
+        members = await asyncio.gather(
+            *(self._continuous_attempt(slot, group_id, task, i, gate) for i in range(self.samples_per_prompt))
+        )
+        completed.put((group_id, list(members)))
+
+    async def _continuous_attempt(self, slot: int, group_id: str, task: RolloutTask, index: int, gate):
+        async with gate:
+            with self.attempt_factory(task) as attempt:
+                return await self.agent.run(task.task_id, task.instruction, attempt, group_id, index, slot)
+
+    def _task_for_slot(self, slot: int) -> RolloutTask:
+        epoch, position = divmod(slot, len(self.tasks))
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.run_seed}/{epoch}").shuffle(order)
+        return self.tasks[order[position]]
 
     def train_dataloader(self) -> DataLoader:
         """Stream items one per step (``batch_size=None``); pair with ``StreamingPolicyModule.training_step``."""
