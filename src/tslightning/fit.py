@@ -363,10 +363,11 @@ def _checkpointer(settings: CheckpointSettings, out: Path, seed: int) -> GPUCloc
 def _check_resume(resume: str | None, schedule: str) -> None:
     if resume is None:
         return
-    if schedule == "async":
+    if schedule not in ("sync", "thundersync"):
         raise ValueError(
-            "resume: the async schedule cannot resume exactly (batch k+1 was sampled from θ_k, which a checkpoint "
-            "after update k no longer holds); resume with schedule sync or thundersync"
+            f"resume: schedule {schedule!r} cannot resume exactly (its next batch was sampled, at least in part, "
+            "before the checkpointed θ_k, and in-flight rollouts are not checkpointed); resume with schedule sync "
+            "or thundersync"
         )
     if not (Path(resume) / STATE_FILE).is_file():
         raise FileNotFoundError(f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory")

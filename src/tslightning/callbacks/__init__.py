@@ -2,6 +2,7 @@
 works under a Trainer and Fabric."""
 
 from tslightning.callbacks.batch_barrier import BatchBarrier
+from tslightning.callbacks.gpu_clock_checkpoint import GPUClockCheckpoint
 from tslightning.callbacks.gradient_clipping import GradientClipping
 from tslightning.callbacks.mfu_monitor import MFUMonitor, UpdateMeasurement
 from tslightning.callbacks.release_trace import ReleaseTraceRecorder, read_trace
@@ -10,6 +11,7 @@ from tslightning.callbacks.weight_publisher import WeightPublisher
 
 __all__ = [
     "BatchBarrier",
+    "GPUClockCheckpoint",
     "GradientClipping",
     "MFUMonitor",
     "ReleaseTraceRecorder",
