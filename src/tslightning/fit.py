@@ -80,6 +80,8 @@ class RolloutSettings:
     replicas: int = 1
     tasks: str | None = None
     """A task directory or a directory of tasks; ``None`` uses the shipped library."""
+    task_names: list[str] | None = None
+    """Train on these tasks only (by directory name); ``None``: every task of the split."""
     split: Literal["train", "dev", "all"] = "train"
     """Which side of the SHA-256 group split (App. C.2) to train on."""
     dev_fraction: float = 0.2
@@ -389,6 +391,11 @@ def _resume(path: str, fabric, module, optimizer, engine) -> int:
 def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:
     root = Path(rollout.tasks) if rollout.tasks else library_dir()
     tasks = [TerminalTask.load(d) for d in find_task_dirs(root)]
+    if rollout.task_names is not None:
+        unknown = sorted(set(rollout.task_names) - {t.name for t in tasks})
+        if unknown:
+            raise ValueError(f"rollout.task_names {unknown} are not tasks in {root}")
+        tasks = [t for t in tasks if t.name in rollout.task_names]
     if rollout.split != "all":
         tasks = [t for t in tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
     if not tasks:

@@ -186,8 +186,12 @@ class AgentLoop:
         self._observation_close = self._encode("<|im_end|>\n<|im_start|>assistant\n")
 
     def prompt_token_ids(self, instruction: str) -> list[int]:
-        """The chat-templated system + user prompt, ending with the assistant generation prompt."""
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": instruction}]
+        """The chat-templated system + user prompt, ending with the assistant generation prompt.
+
+        The instruction is stripped of surrounding whitespace (``instruction.md`` files end with a newline), so the
+        same task always yields the same prompt ids wherever it is read from.
+        """
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": instruction.strip()}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if len(ids) > self.limits.max_prompt_tokens:
