@@ -82,3 +82,55 @@ def test_fully_async_records_a_bounded_lag(tmp_path):
     lags = _lags(tmp_path / "fa")
     assert len(rewards["mean_rewards"]) == 3 and len(lags) == 3
     assert all(0.0 <= lag <= 1.0 for lag in lags)
+
+
+def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
+    """Same seed, same rollouts (seeds by identity, not arrival): the two zero-staleness schedules end at the same θ."""
+    import torch
+
+    from tslightning.fit import RolloutSettings, WarmStartSettings, fit
+    from tslightning.tiny_model import load_tiny_model
+
+    thetas = {}
+    for schedule in ("sync", "thundersync"):
+        out = tmp_path / schedule
+        fit(
+            schedule=schedule,
+            updates=3,
+            seed=5,
+            out_dir=str(out),
+            progress=False,
+            available_flops=1e11,
+            rollout=RolloutSettings(
+                task_names=["count-lines", "dedupe-lines"],
+                prompts_per_update=2,
+                samples_per_prompt=3,
+                max_turns=2,
+                max_tokens_per_turn=64,
+            ),
+            warm_start=WarmStartSettings(steps=300),
+            model=_float64(),
+            optimizer=_adamw(1e-3),
+        )
+        state = torch.load(out / "checkpoints" / "update-2" / "state.pt", weights_only=True)["state_dict"]
+        theta0, _ = load_tiny_model(out / "policy-0")
+        initial = {f"policy.{k}": v for k, v in theta0.state_dict().items()}
+        names = sorted(k for k in state if k in initial)
+        thetas[schedule] = torch.cat([state[k].flatten().double() for k in names])
+        thetas["initial"] = torch.cat([initial[k].flatten().double() for k in names])
+    sync, streamed = thetas["sync"], thetas["thundersync"]
+    moved = float((sync - thetas["initial"]).norm())
+    assert moved > 0
+    assert float((streamed - sync).norm()) / moved <= 1e-10  # Δ_k of Eq. 30
+
+
+def _float64():
+    from tslightning.fit import ModelSettings
+
+    return ModelSettings(dtype="float64")
+
+
+def _adamw(lr):
+    from tslightning.streaming_module import OptimizerSettings
+
+    return OptimizerSettings(lr=lr)

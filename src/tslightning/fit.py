@@ -33,6 +33,7 @@ from tslightning.callbacks import (
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publishable_state_dict
 from tslightning.checkpoint_state import STATE_FILE, restore_checkpoint
+from tslightning.precision import compute_norms_in_float64
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -43,6 +44,7 @@ from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask, find_task_dirs
 from tslightning.tasks.validation import library_dir
+from tslightning.timeline import plot_timeline
 from tslightning.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
 from tslightning.warm_start import Demonstration, reference_demonstration, supervised_warm_start
 
@@ -55,7 +57,8 @@ class ModelSettings:
     """A Hugging Face checkpoint directory; ``None`` builds the embedded tiny Qwen2 model offline."""
     teacher_path: str | None = None
     """OPD teacher checkpoint; ``None`` uses the embedded tiny model with another seed."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """Learner dtype. ``float64`` (exactness checks) computes norms in float64 too; the engine then serves float32."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of every weight (publication merges it into the served weights)."""
 
@@ -148,6 +151,7 @@ def fit(
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
     staleness_bound: int = 1,
+    accelerator: str = "cpu",
     progress: bool = True,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
@@ -175,6 +179,8 @@ def fit(
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
+        accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``); one learner device per run here
+            (several learner ranks come with the Fabric strategies).
         progress: Show a progress bar.
     """
     _check_resume(resume, schedule)
@@ -185,7 +191,7 @@ def fit(
 
     tasks = _training_tasks(rollout)
     policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
-    engine = _start_engine(rollout, policy_dir, model.dtype)
+    engine = _start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
     teacher = _start_teacher(model, seed) if objective == "opd" else None
     datamodule = RolloutDataModule(
         engine,
@@ -202,7 +208,7 @@ def fit(
     )
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     fabric = L.Fabric(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
@@ -266,6 +272,8 @@ def _run_updates(
     for logger in fabric.loggers:
         logger.finalize("success")
     (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+    if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
+        plot_timeline(out / "trace", out / "timeline.png")
     return result
 
 
@@ -414,6 +422,9 @@ def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
     policy_dir = out / "policy-0"
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
+    policy = policy.to(getattr(torch, model.dtype))
+    if model.dtype == "float64":
+        compute_norms_in_float64(policy)
     if model.lora is not None:
         from peft import LoraConfig, get_peft_model
 
