@@ -56,7 +56,7 @@ class ModelSettings:
     path: str | None = None
     """A Hugging Face checkpoint directory; ``None`` builds the embedded tiny Qwen2 model offline."""
     teacher_path: str | None = None
-    """OPD teacher checkpoint; ``None`` uses the embedded tiny model with another seed."""
+    """OPD teacher checkpoint; ``None``: the embedded tiny model warm-started on the reference solutions only."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Learner dtype. ``float64`` (exactness checks) computes norms in float64 too; the engine then serves float32."""
     lora: LoraSettings | None = None
@@ -131,6 +131,8 @@ class FitResult:
 
     mean_rewards: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    teacher_gaps: list[float] = field(default_factory=list)
+    """OPD: per update, mean log π_T − log π_θk over the sampled action tokens."""
     out_dir: str = ""
 
 
@@ -192,7 +194,7 @@ def fit(
     tasks = _training_tasks(rollout)
     policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
     engine = _start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
-    teacher = _start_teacher(model, seed) if objective == "opd" else None
+    teacher = _start_teacher(model, rollout, warm_start, tasks, seed, out) if objective == "opd" else None
     datamodule = RolloutDataModule(
         engine,
         tokenizer,
@@ -266,7 +268,12 @@ def _run_updates(
         rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
         result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
         result.step_seconds.append(time.perf_counter() - start)
-        fabric.log_dict({"train/mean_reward": result.mean_rewards[-1]}, step=update)
+        metrics = {"train/mean_reward": result.mean_rewards[-1]}
+        gap, tokens = map(sum, zip(*(t.teacher_gap() for t in datamodule.trajectories[update]), strict=True))
+        if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
+            metrics["train/teacher_logprob_gap"] = gap / tokens
+            result.teacher_gaps.append(gap / tokens)
+        fabric.log_dict(metrics, step=update)
         bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
     fabric.call("on_train_end", trainer=fabric, pl_module=module)
     for logger in fabric.loggers:
@@ -471,13 +478,18 @@ def _start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
     return HFRolloutEngine(policy_dir, dtype=dtype, replicas=rollout.replicas)
 
 
-def _start_teacher(model: ModelSettings, seed: int) -> TeacherScorer:
+def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path) -> TeacherScorer:
+    """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
+    twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
+    samples."""
     if model.teacher_path:
         teacher, _ = load_tiny_model(model.teacher_path)
-    else:
-        from tslightning.tiny_model import build_tiny_model, build_tokenizer
-
-        teacher = build_tiny_model(TinyModelConfig(seed=seed + 1), build_tokenizer())
+        return TeacherScorer(teacher)
+    teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", TinyModelConfig(seed=seed)))
+    if warm_start.steps:
+        loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
+        demos = _demonstrations(tasks, near_misses=False)
+        supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
     return TeacherScorer(teacher)
 
 

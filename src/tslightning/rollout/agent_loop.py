@@ -101,11 +101,22 @@ class AgentTrajectory:
     turns: list[AgentTurn] = field(default_factory=list)
     end_reason: str = "running"
     reward: float | None = None
+    teacher_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """OPD: the frozen teacher's log-probs of each scored turn's action tokens, by turn index."""
 
     @property
     def policy_version(self) -> int:
         """The version that sampled the first turn (zero-staleness schedules: every turn)."""
         return self.turns[0].policy_version
+
+    def teacher_gap(self) -> tuple[float, int]:
+        """OPD: Σ_t (log π_T − log π_θk) over the teacher-scored action tokens, and their count (Eq. 8's A)."""
+        total, count = 0.0, 0
+        for index, teacher in self.teacher_logprobs.items():
+            sampled = self.turns[index].action_logprobs
+            total += float(teacher.double().sum()) - sum(sampled)
+            count += len(sampled)
+        return total, count
 
     def token_ids(self, through_turn: int | None = None) -> torch.Tensor:
         """Prompt and turns; with ``through_turn=j`` the history ending with turn j's action (for OPD)."""

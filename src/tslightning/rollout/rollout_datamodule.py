@@ -288,6 +288,7 @@ class RolloutDataModule(L.LightningDataModule):
         token_ids = trajectory.token_ids(through_turn=turn.index)
         mask = trajectory.scored_mask(only_turn=turn.index)
         logprobs = await asyncio.wrap_future(self.teacher.submit(token_ids, mask))
+        trajectory.teacher_logprobs[turn.index] = logprobs
         emit(trajectory.turn_source(turn.index, logprobs))
 
     def _record(self, update: int, item: StreamItem, version: int, ready_time: float) -> None:
