@@ -46,3 +46,17 @@ def test_print_config_shows_the_resolved_values(capsys):
         cli.main(["fit", "--config", "configs/quickstart.yaml", "--rollout.prompts_per_update", "2", "--print_config"])
     out = capsys.readouterr().out
     assert "prompts_per_update: 2" in out and "schedule: thundersync" in out
+
+
+def test_extra_callbacks_take_class_path_and_init_args(tmp_path):
+    config = tmp_path / "extra.yaml"
+    config.write_text(
+        "callbacks:\n"
+        "  - class_path: tslightning.callbacks.StalenessMonitor\n"
+        "    init_args:\n"
+        "      max_policy_lag: 2\n"
+    )
+    parsed = parser().parse_args(["--config", "configs/quickstart.yaml", "--config", str(config)])
+    init = parser().instantiate_classes(parsed)
+    (monitor,) = init.callbacks
+    assert type(monitor).__name__ == "StalenessMonitor" and monitor.max_policy_lag == 2

@@ -152,6 +152,7 @@ def fit(
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
+    callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
     progress: bool = True,
@@ -180,6 +181,7 @@ def fit(
         checkpoint: When and where checkpoints are written.
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
+        callbacks: Extra Lightning callbacks (``class_path``/``init_args`` in configs), run after the built-in ones.
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``); one learner device per run here
             (several learner ranks come with the Fabric strategies).
@@ -220,6 +222,7 @@ def fit(
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
+            *callbacks,
             _checkpointer(checkpoint, out, seed),  # last: the callback states it saves include the update
         ],
     )
