@@ -272,6 +272,8 @@ def _run_updates(
         result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
         result.step_seconds.append(time.perf_counter() - start)
         metrics = {"train/mean_reward": result.mean_rewards[-1]}
+        if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
+            metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
         gap, tokens = map(sum, zip(*(t.teacher_gap() for t in datamodule.trajectories[update]), strict=True))
         if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
             metrics["train/teacher_logprob_gap"] = gap / tokens
