@@ -7,54 +7,16 @@ from dataclasses import replace
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from harness import fabric_barrier, fit, grpo_batch, grpo_batches
 
 from tslightning.callbacks import BatchBarrier
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.sources import PolicyVersionError, SourceError
 from tslightning.streaming_module import StreamingPolicyModule
-
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
-    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
-
-
-def fabric_barrier(fabric: L.Fabric, module, optimizer) -> None:
-    """Our Fabric loop's barrier (hooks called with keywords: the set-up module is a Fabric callback too)."""
-    module.barrier(
-        optimizer,
-        before_step=lambda: fabric.call(
-            "on_before_optimizer_step", trainer=fabric, pl_module=module, optimizer=optimizer
-        ),
-    )
 
 
 def test_trainer_passes_one_barrier_per_update(make_policy, vocab_size, tmp_path):
     barrier, module = BatchBarrier(), StreamingPolicyModule(make_policy())
-    items = [*grpo_batch(vocab_size, 0).stream(), *grpo_batch(vocab_size, 1).stream()]
-    L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[barrier],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+    fit(module, grpo_batches(vocab_size, 2), [barrier], tmp_path)
     assert module.policy_version == 2 and barrier.barriers_passed == 2
     restored = BatchBarrier()
     restored.load_state_dict(barrier.state_dict())

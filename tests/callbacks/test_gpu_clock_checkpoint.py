@@ -9,20 +9,15 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from harness import HOSTS, FakeEngine, fit, grpo_batches
 from peft import LoraConfig, get_peft_model
-from torch.utils.data import DataLoader
 
 from tslightning.callbacks import GPUClockCheckpoint, WeightPublisher
 from tslightning.checkpoint_state import checkpoint_dirs, policy_hash, read_meta, restore_checkpoint
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
-from tslightning.rollout.engine import PublishReceipt
+from tslightning.replay_batches import ReplayBatch
 from tslightning.sources import BatchClosed, TrajectorySource
 from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
 
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
-HOSTS = ["trainer", "fabric"]
 META_FIELDS = {
     "format_version",
     "seed",
@@ -40,14 +35,6 @@ META_FIELDS = {
     "state_file",
     "config",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class FakeClock:
@@ -76,32 +63,12 @@ class Timeline(L.Callback):
         self.item += 1
 
 
-class FakeEngine:
-    def __init__(self) -> None:
-        self.policy_version = 0
-
-    def publish(self, state_dict, policy_version: int) -> PublishReceipt:
-        self.policy_version = policy_version
-        return PublishReceipt(policy_version, replicas=1, seconds=0.0)
-
-
 def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_path):
     """Each batch as one update, every stream item through the batch hooks: a Trainer, or a Fabric loop doing what a
     Trainer does (keywords: fabric.setup registers the LightningModule as a callback too). Returns the optimizer."""
-    items = [item for batch in batches for item in batch.stream()]
     if host == "trainer":
-        trainer = L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            devices=1,
-            callbacks=callbacks,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=None))
-        return trainer.optimizers[0]
+        return fit(module, batches, callbacks, tmp_path, enable_checkpointing=None).optimizers[0]
+    items = [item for batch in batches for item in batch.stream()]
     fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks)
     wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
     fabric.call("on_train_start", trainer=fabric, pl_module=wrapped)
@@ -113,10 +80,6 @@ def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_pa
         fabric.call("on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=item, batch_idx=index)
     fabric.call("on_train_end", trainer=fabric, pl_module=wrapped)
     return optimizer
-
-
-def grpo_batches(vocab_size: int, count: int) -> list[ReplayBatch]:
-    return [synthetic_grpo_batch(vocab_size, k, torch.Generator().manual_seed(k), SMALL) for k in range(count)]
 
 
 def new_module(make_policy) -> StreamingPolicyModule:

@@ -7,81 +7,13 @@ import math
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
+from harness import HOSTS, MemoryLogger, grpo_batch, run_updates
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.data import DataLoader
 
 from tslightning.callbacks import GradientClipping
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.streaming_module import StreamingPolicyModule
 
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
-HOSTS = ["trainer", "fabric"]
 TORCH_CLIP_EPS = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class MemoryLogger(Logger):
-    """Keeps every ``(step, metrics)`` it is given; works for a Trainer and for Fabric."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-    name = "memory"
-    version = 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def having(self, key: str) -> list[tuple[int | None, dict[str, float]]]:
-        return [(step, metrics) for step, metrics in self.logged if key in metrics]
-
-
-def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger: Logger, tmp_path) -> None:
-    """Each batch as one update: a Trainer over its stream items, or our Fabric loop calling the hooks."""
-    if host == "trainer":
-        items = [item for batch in batches for item in batch.stream()]
-        L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            devices=1,
-            callbacks=callbacks,
-            logger=logger,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(module, train_dataloaders=DataLoader(items, batch_size=None))
-        return
-    # Keywords, not positions: fabric.setup registers the LightningModule as a callback too, and Fabric passes each
-    # callback only the keywords its hook names (the module's hooks take no trainer/pl_module).
-    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=[logger])
-    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
-    for k, batch in enumerate(batches):
-        for item in batch.stream():
-            wrapped.ingest(item)
-        wrapped.barrier(
-            optimizer,
-            before_step=lambda: fabric.call(
-                "on_before_optimizer_step", trainer=fabric, pl_module=wrapped, optimizer=optimizer
-            ),
-        )
-        fabric.call(
-            "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
-        )
 
 
 class SGDModule(StreamingPolicyModule):
@@ -99,10 +31,6 @@ class PoisonGradient(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         optimizer.param_groups[0]["params"][0].grad.view(-1)[0] = self.value
-
-
-def grpo_batch(vocab_size: int) -> ReplayBatch:
-    return synthetic_grpo_batch(vocab_size, 0, torch.Generator().manual_seed(0), SMALL)
 
 
 @pytest.mark.parametrize("host", HOSTS)

@@ -4,55 +4,19 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.loggers import Logger
-from torch.utils.data import DataLoader
+from harness import MemoryLogger, fit, grpo_batch, run_with_fabric_calls
 
 from tslightning.callbacks import MFUMonitor
 from tslightning.learner_flops import DecoderShape, learner_flops
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.replay_batches import ReplayBatch
 from tslightning.sources import BatchClosed, TrajectorySource
 from tslightning.streaming_module import StreamingPolicyModule
 
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
 PEAK = 1e9  # FLOP/s per device: a CPU has no entry in Lightning's table
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class RecordingLogger(Logger):
-    def __init__(self) -> None:
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
-def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
-    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
 
 
 def expected_flops(module: StreamingPolicyModule, batch: ReplayBatch) -> int:
@@ -74,7 +38,7 @@ def _at(monkeypatch: pytest.MonkeyPatch, now: float, hook, *args) -> None:
 
 @pytest.mark.parametrize("rollout_wait_s", [None, 7.0])
 def test_exact_mfu_and_breakdown_of_a_synthetic_update(make_policy, vocab_size, monkeypatch, rollout_wait_s):
-    logger = RecordingLogger()
+    logger = MemoryLogger()
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[logger])
     monitor = MFUMonitor(available_flops=PEAK)
     module = StreamingPolicyModule(make_policy())
@@ -108,20 +72,6 @@ def test_exact_mfu_and_breakdown_of_a_synthetic_update(make_policy, vocab_size, 
     assert step == 0 and logged == {**measurement.metrics(), "perf/mfu/actor_avg": measurement.mfu}
 
 
-def _trainer(tmp_path, callbacks) -> L.Trainer:
-    return L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-
-
 def _check_real_update(monitor: MFUMonitor, module: StreamingPolicyModule, batch: ReplayBatch) -> None:
     (m,) = monitor.history
     assert m.learner_flops == expected_flops(module, batch) and m.num_tokens == batch_tokens(batch)
@@ -133,7 +83,7 @@ def _check_real_update(monitor: MFUMonitor, module: StreamingPolicyModule, batch
 
 def test_under_a_trainer(make_policy, vocab_size, tmp_path):
     monitor, module, batch = MFUMonitor(PEAK), StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
-    _trainer(tmp_path, [monitor]).fit(module, train_dataloaders=DataLoader(list(batch.stream()), batch_size=None))
+    fit(module, [batch], [monitor], tmp_path)
     _check_real_update(monitor, module, batch)
 
 
@@ -142,13 +92,7 @@ def test_under_fabric_call(make_policy, vocab_size):
     fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[monitor])
     module, batch = StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
     fabric_module, _ = fabric.setup(module, module.configure_optimizers())
-    for index, item in enumerate(batch.stream()):
-        # Keywords: the set-up LightningModule is a Fabric callback too, with its own hook signatures.
-        fabric.call("on_train_batch_start", trainer=fabric, pl_module=fabric_module, batch=item, batch_idx=index)
-        fabric_module.training_step(item, index)
-        fabric.call(
-            "on_train_batch_end", trainer=fabric, pl_module=fabric_module, outputs=None, batch=item, batch_idx=index
-        )
+    run_with_fabric_calls(fabric, fabric_module, batch)
     _check_real_update(monitor, module, batch)
 
 
@@ -159,7 +103,7 @@ def test_cpu_without_available_flops_names_the_override(make_policy, vocab_size,
         MFUMonitor().on_train_batch_start(fabric, StreamingPolicyModule(make_policy()), batch.plan, 0)
     module = StreamingPolicyModule(make_policy())
     with pytest.raises(ValueError, match="available_flops"):
-        _trainer(tmp_path, [MFUMonitor()]).fit(module, DataLoader(list(batch.stream()), batch_size=None))
+        fit(module, [batch], [MFUMonitor()], tmp_path)
     assert module.policy_version == 0  # refused before the first update's work
 
 
@@ -203,7 +147,7 @@ def test_two_ranks_sum_learner_flops_over_every_learner_device(make_policy, voca
     owner = SimpleNamespace(
         world_size=2,
         global_rank=1,
-        loggers=[RecordingLogger()],
+        loggers=[MemoryLogger()],
         strategy=SimpleNamespace(root_device=torch.device("cpu"), all_reduce=all_reduce),
     )
     monitor, module, batch = MFUMonitor(PEAK), StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)

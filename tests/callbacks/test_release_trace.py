@@ -8,25 +8,13 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from harness import SMALL, fit, grpo_batches, run_with_fabric_calls
 
 from tslightning.callbacks import ReleaseTraceRecorder, read_trace
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch, synthetic_opd_batch
+from tslightning.replay_batches import ReplayBatch, synthetic_grpo_batch, synthetic_opd_batch
 from tslightning.rollout.rollout_datamodule import ReadyRecord
-from tslightning.sources import BatchClosed, TrajectorySource, TurnSource
+from tslightning.sources import TrajectorySource, TurnSource
 from tslightning.streaming_module import StreamingPolicyModule
-
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _key(kind: str, group: str, trajectory: int, turn: int | None) -> tuple:
@@ -59,16 +47,6 @@ def fake_datamodule(batch: ReplayBatch, update: int = 0) -> SimpleNamespace:
         if isinstance(item, TrajectorySource) or (isinstance(item, TurnSource) and item.turn_index == 0)
     ]
     return SimpleNamespace(ready_log=log, trajectories={update: trajectories})
-
-
-def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publication_s: float) -> None:
-    """Our Fabric loop: hooks through ``fabric.call`` (keywords), the barrier at BatchClosed, then publication."""
-    for index, item in enumerate(batch.stream()):
-        fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=index)
-        module.training_step(item, index)
-        if isinstance(item, BatchClosed):
-            module.update_timings["publication_s"] = publication_s  # what a WeightPublisher records
-        fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
 
 
 @pytest.mark.parametrize("objective", ["grpo", "opd"])
@@ -119,22 +97,9 @@ def test_trace_under_fabric_with_datamodule_readiness(make_policy, teacher64, vo
 
 def test_trace_under_a_trainer_appends_each_update(make_policy, vocab_size, tmp_path):
     """Without a datamodule τ_j is the service start and R the moment the learner saw BatchClosed."""
-    batches = [synthetic_grpo_batch(vocab_size, k, torch.Generator().manual_seed(k), SMALL) for k in (0, 1)]
+    batches = grpo_batches(vocab_size, 2)
     recorder = ReleaseTraceRecorder(tmp_path)
-    L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(
-        StreamingPolicyModule(make_policy()),
-        train_dataloaders=DataLoader([item for b in batches for item in b.stream()], batch_size=None),
-    )
+    fit(StreamingPolicyModule(make_policy()), batches, [recorder], tmp_path)
     records = read_trace(recorder.trace_file(0))
     for k, batch in enumerate(batches):
         *sources, update = [r for r in records if r["update"] == k]

@@ -6,52 +6,14 @@ from dataclasses import replace
 
 import lightning as L
 import pytest
-import torch
-from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader
+from harness import SMALL, MemoryLogger, fit, grpo_batch, grpo_batches
 
 from tslightning.callbacks import StalenessMonitor
 from tslightning.callbacks.staleness_monitor import policy_lags
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.sources import BatchClosed, PolicyVersionError
 from tslightning.streaming_module import StreamingPolicyModule
 
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
 SOURCES = SMALL.num_groups * SMALL.group_size
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class MemoryLogger(Logger):
-    """Keeps every ``(step, metrics)`` it is given; works for a Trainer and for Fabric."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-    name = "memory"
-    version = 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def having(self, key: str) -> list[tuple[int | None, dict[str, float]]]:
-        return [(step, metrics) for step, metrics in self.logged if key in metrics]
-
-
-def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
-    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
 
 
 def lag_metrics(maximum: float, mean: float) -> dict[str, float]:
@@ -60,18 +22,7 @@ def lag_metrics(maximum: float, mean: float) -> dict[str, float]:
 
 def test_trainer_reports_zero_lag(make_policy, vocab_size, tmp_path):
     monitor, logger, module = StalenessMonitor(), MemoryLogger(), StreamingPolicyModule(make_policy())
-    items = [*grpo_batch(vocab_size, 0).stream(), *grpo_batch(vocab_size, 1).stream()]
-    L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[monitor],
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    ).fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+    fit(module, grpo_batches(vocab_size, 2), [monitor], tmp_path, logger=logger)
     assert module.policy_version == 2
     assert logger.having("staleness/max_policy_lag") == [(0, lag_metrics(0.0, 0.0)), (1, lag_metrics(0.0, 0.0))]
     assert monitor.histogram == {0: 2 * SOURCES} and monitor.updates == 2

@@ -9,101 +9,18 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
+from harness import HOSTS, FakeEngine, MemoryLogger, grpo_batch, run_updates
 from peft import LoraConfig, get_peft_model
-from torch.utils.data import DataLoader
 
 from tslightning.callbacks import WeightPublisher
 from tslightning.callbacks.weight_publisher import publishable_state_dict
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
-from tslightning.rollout.engine import GenerationRequest, PublishReceipt, RolloutEngineError
+from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
 from tslightning.rollout.hf_engine import HFRolloutEngine
 from tslightning.sources import BatchClosed
 from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.tiny_model import load_tiny_model, save_tiny_model
 
-SMALL = WorkloadShape(
-    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
-)
-HOSTS = ["trainer", "fabric"]
 ENGINE_ATOL = 2e-5  # float32: the engine's cached decode vs one full forward in the learner
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class MemoryLogger(Logger):
-    """Keeps every ``(step, metrics)`` it is given; works for a Trainer and for Fabric."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.logged: list[tuple[int | None, dict[str, float]]] = []
-
-    name = "memory"
-    version = 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.logged.append((step, dict(metrics)))
-
-    def having(self, key: str) -> list[tuple[int | None, dict[str, float]]]:
-        return [(step, metrics) for step, metrics in self.logged if key in metrics]
-
-
-class FakeEngine:
-    """Records each publication (a copy of the weights); acknowledges ``policy_version + version_offset``."""
-
-    def __init__(self, version_offset: int = 0, hold: threading.Event | None = None) -> None:
-        self.policy_version = 0
-        self.published: list[tuple[int, dict[str, torch.Tensor]]] = []
-        self.version_offset = version_offset
-        self.hold = hold
-
-    def publish(self, state_dict, policy_version: int) -> PublishReceipt:
-        if self.hold is not None:
-            self.hold.wait(10)
-        self.published.append((policy_version, {n: t.detach().clone() for n, t in state_dict.items()}))
-        self.policy_version = policy_version
-        return PublishReceipt(policy_version + self.version_offset, replicas=2, seconds=0.0)
-
-
-def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger: Logger, tmp_path) -> None:
-    """Each batch as one update: a Trainer over its stream items, or our Fabric loop calling the hooks."""
-    if host == "trainer":
-        items = [item for batch in batches for item in batch.stream()]
-        L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            devices=1,
-            callbacks=callbacks,
-            logger=logger,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        ).fit(module, train_dataloaders=DataLoader(items, batch_size=None))
-        return
-    # Keywords, not positions: fabric.setup registers the LightningModule as a callback too.
-    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=[logger])
-    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
-    for k, batch in enumerate(batches):
-        for item in batch.stream():
-            wrapped.ingest(item)
-        wrapped.barrier(optimizer)
-        fabric.call(
-            "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
-        )
-
-
-def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
-    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
 
 
 def stub_module(version: int = 1) -> SimpleNamespace:

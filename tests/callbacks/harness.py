@@ -1,0 +1,141 @@
+"""What the callback tests share: the small GRPO workload, an in-memory logger, a recording engine, and the Trainer
+and Fabric loops that run a StreamingPolicyModule's updates through a callback's hooks.
+
+Imported as ``from harness import ...``: there is no ``__init__.py`` here, so pytest puts this directory on sys.path.
+(The one-intra-op-thread fixture every module here uses is in this directory's ``conftest.py``.)
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader
+
+from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.rollout.engine import PublishReceipt
+from tslightning.sources import BatchClosed
+
+SMALL = WorkloadShape(
+    num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)
+)
+HOSTS = ["trainer", "fabric"]
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``(step, metrics)`` it is given; works for a Trainer and for Fabric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    name = "memory"
+    version = 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def having(self, key: str) -> list[tuple[int | None, dict[str, float]]]:
+        return [(step, metrics) for step, metrics in self.logged if key in metrics]
+
+
+class FakeEngine:
+    """Records each publication (a copy of the weights); acknowledges ``policy_version + version_offset``."""
+
+    def __init__(self, version_offset: int = 0, hold: threading.Event | None = None) -> None:
+        self.policy_version = 0
+        self.published: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.version_offset = version_offset
+        self.hold = hold
+
+    def publish(self, state_dict, policy_version: int) -> PublishReceipt:
+        if self.hold is not None:
+            self.hold.wait(10)
+        self.published.append((policy_version, {n: t.detach().clone() for n, t in state_dict.items()}))
+        self.policy_version = policy_version
+        return PublishReceipt(policy_version + self.version_offset, replicas=2, seconds=0.0)
+
+
+def grpo_batch(vocab_size: int, version: int = 0) -> ReplayBatch:
+    """The SMALL GRPO batch served at ``version``, from a generator seeded with the version."""
+    return synthetic_grpo_batch(vocab_size, version, torch.Generator().manual_seed(version), SMALL)
+
+
+def grpo_batches(vocab_size: int, count: int) -> list[ReplayBatch]:
+    """``grpo_batch`` at versions 0 .. count - 1: one per update."""
+    return [grpo_batch(vocab_size, version) for version in range(count)]
+
+
+def fit(
+    module: L.LightningModule,
+    batches: list[ReplayBatch],
+    callbacks: list[L.Callback],
+    tmp_path: Path,
+    *,
+    logger: Logger | bool = False,
+    enable_checkpointing: bool | None = False,
+) -> L.Trainer:
+    """Each batch as one update: one epoch of a CPU Trainer over the batches' stream items, one item per step.
+    ``enable_checkpointing=None`` is Lightning's default (it adds a ModelCheckpoint). Returns the Trainer."""
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=logger,
+        enable_checkpointing=enable_checkpointing,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    items = [item for batch in batches for item in batch.stream()]
+    trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+    return trainer
+
+
+def fabric_barrier(fabric: L.Fabric, module, optimizer) -> None:
+    """Our Fabric loop's barrier: ``on_before_optimizer_step`` through ``fabric.call`` once the direction is in
+    ``.grad``. Keywords, not positions: fabric.setup registers the LightningModule as a callback too, and Fabric
+    passes each callback only the keywords its hook names (the module's hooks take no trainer/pl_module)."""
+    module.barrier(
+        optimizer,
+        before_step=lambda: fabric.call(
+            "on_before_optimizer_step", trainer=fabric, pl_module=module, optimizer=optimizer
+        ),
+    )
+
+
+def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger: Logger, tmp_path: Path) -> None:
+    """Each batch as one update: a Trainer over its stream items, or our Fabric loop: the batch's items ingested,
+    :func:`fabric_barrier`, then ``on_train_batch_end`` with the update's BatchClosed."""
+    if host == "trainer":
+        fit(module, batches, callbacks, tmp_path, logger=logger)
+        return
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=[logger])
+    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
+    for k, batch in enumerate(batches):
+        for item in batch.stream():
+            wrapped.ingest(item)
+        fabric_barrier(fabric, wrapped, optimizer)
+        fabric.call(
+            "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
+        )
+
+
+def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publication_s: float | None = None) -> None:
+    """Our Fabric loop over a set-up module: each stream item through ``training_step`` (the barrier at BatchClosed)
+    between the batch hooks, called through ``fabric.call`` with keywords (the set-up LightningModule is a Fabric
+    callback too, with its own hook signatures). With ``publication_s``, what a WeightPublisher records is set at
+    BatchClosed before its ``on_train_batch_end``."""
+    for index, item in enumerate(batch.stream()):
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=index)
+        module.training_step(item, index)
+        if publication_s is not None and isinstance(item, BatchClosed):
+            module.update_timings["publication_s"] = publication_s
+        fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
