@@ -139,10 +139,38 @@ def validate(
     print(json_module.dumps(report, indent=2) if json else format_report(report))
 
 
+def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
+    """Replay a release trace (Eqs. 14-15 per rank): predicted Sync and ThunderSync endpoints and speedup.
+
+    Args:
+        trace: A ``trace-rank*.jsonl`` file or the directory ``tslightning fit`` wrote (``<out_dir>/trace``).
+        warmup: Leading updates left out of the means (App. B.3 window).
+        json: Print the summary as JSON.
+    """
+    from tslightning.trace_replay import replay_trace
+
+    summary = replay_trace(trace).summary(warmup=warmup)
+    if json:
+        print(json_module.dumps(summary, indent=2))
+        return
+    print(
+        f"tslightning replay: {summary['updates']} update(s), ranks {summary['ranks']}, warm-up {warmup}\n"
+        f"  predicted mean endpoint  sync {summary['mean_sync_end_s']:.3f} s   "
+        f"thundersync {summary['mean_thundersync_end_s']:.3f} s\n"
+        f"  predicted speedup (ratio of means): {summary['predicted_speedup']:.3f}x"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``tslightning`` console script."""
     args = _positional_task_dir(list(sys.argv[1:] if argv is None else argv))
-    commands = {"fit": fit, "verify": verify, "validate": validate, "tasks": {"validate": tasks_validate}}
+    commands = {
+        "fit": fit,
+        "verify": verify,
+        "validate": validate,
+        "replay": replay,
+        "tasks": {"validate": tasks_validate},
+    }
     CLI(commands, args=_expand_bare_flags(args), as_positional=False)
 
 

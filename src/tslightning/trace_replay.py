@@ -1,0 +1,138 @@
+"""Release-trace replay (App. F.1, Eqs. 14-17): predicted Sync and ThunderSync endpoints from measured jobs.
+
+Each learner job j has a ready time τ_j and a service time p_j; rollout closes at R; P is the serial suffix
+(reduction, optimizer step, publication). On one learner lane, jobs in readiness order complete at
+
+    c_0 = 0,  c_j = max(τ_j, c_{j−1}) + p_j,   T_ThunderSync = max(R, c_n) + P          (Eq. 14)
+
+while Sync starts every job after R: T_Sync = R + L + P with L = Σ p_j (Eq. 16). The predicted speedup of a run is
+the ratio of the mean endpoints (App. B's ratio of means), per rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LaneReplay:
+    """One update on one learner lane (seconds from the update's first rollout request)."""
+
+    rollout_close: float
+    learner_service: float
+    suffix: float
+    last_completion: float
+    thundersync_end: float
+    sync_end: float
+
+    @property
+    def speedup(self) -> float:
+        """S_Sync = T_Sync / T_ThunderSync (Eq. 16); at most 2 (Eq. 17)."""
+        return self.sync_end / self.thundersync_end
+
+
+def replay_lane(jobs: Iterable[tuple[float, float]], rollout_close: float, suffix: float) -> LaneReplay:
+    """Eq. 14 on one lane: ``jobs`` are (τ_j, p_j) pairs, served in nondecreasing readiness order."""
+    completion = 0.0
+    total = 0.0
+    for ready, service in sorted(jobs):
+        if service < 0:
+            raise ValueError(f"a job's service time must be >= 0; got {service}")
+        completion = max(ready, completion) + service
+        total += service
+    return LaneReplay(
+        rollout_close=rollout_close,
+        learner_service=total,
+        suffix=suffix,
+        last_completion=completion,
+        thundersync_end=max(rollout_close, completion) + suffix,
+        sync_end=rollout_close + total + suffix,
+    )
+
+
+def last_completion_closed_form(jobs: Sequence[tuple[float, float]]) -> float:
+    """Eq. 15: c_n = max_j (τ_j + Σ_{i≥j} p_i) over jobs in readiness order (0 for no jobs)."""
+    ordered = sorted(jobs)
+    best, suffix_sum = 0.0, 0.0
+    for ready, service in reversed(ordered):
+        suffix_sum += service
+        best = max(best, ready + suffix_sum)
+    return best
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """Per-rank replays of every update in a release trace, and the predicted speedup (ratio of mean endpoints)."""
+
+    lanes: dict[int, list[LaneReplay]]
+
+    def predicted_speedup(self, rank: int | None = None, warmup: int = 0) -> float:
+        """Mean T_Sync / mean T_ThunderSync over updates after ``warmup``; the slowest rank bounds each update."""
+        if rank is not None:
+            lanes = self.lanes[rank][warmup:]
+            sync = [lane.sync_end for lane in lanes]
+            streamed = [lane.thundersync_end for lane in lanes]
+        else:
+            per_update = list(zip(*self.lanes.values(), strict=True))[warmup:]
+            sync = [max(lane.sync_end for lane in update) for update in per_update]
+            streamed = [max(lane.thundersync_end for lane in update) for update in per_update]
+        if not sync:
+            raise ValueError(f"no updates left after warmup={warmup}")
+        return sum(sync) / sum(streamed)
+
+    def summary(self, warmup: int = 0) -> dict:
+        return {
+            "ranks": sorted(self.lanes),
+            "updates": len(next(iter(self.lanes.values()))),
+            "warmup": warmup,
+            "mean_sync_end_s": _mean([max(u) for u in zip(*_ends(self.lanes, "sync_end"), strict=True)][warmup:]),
+            "mean_thundersync_end_s": _mean(
+                [max(u) for u in zip(*_ends(self.lanes, "thundersync_end"), strict=True)][warmup:]
+            ),
+            "predicted_speedup": self.predicted_speedup(warmup=warmup),
+        }
+
+
+def replay_records(records: Iterable[dict]) -> TraceReplay:
+    """Replay records as written by :class:`~tslightning.callbacks.ReleaseTraceRecorder` (one or many ranks).
+
+    τ_j is a source's ``ready_time``, p_j its service interval, R the update's ``rollout_close`` and
+    P = ``barrier_s`` + ``publication_s``. Sources served together (a ``sync`` micro-batch records one interval for
+    all of its sources) form one job, ready when its last member is.
+    """
+    jobs: dict[tuple[int, int], dict[tuple[float, float], float]] = defaultdict(dict)
+    lanes: dict[int, list[LaneReplay]] = defaultdict(list)
+    for record in records:
+        key = (record["rank"], record["update"])
+        if record["record"] == "source":
+            interval = (record["service_start"], record["service_end"])
+            jobs[key][interval] = max(jobs[key].get(interval, record["ready_time"]), record["ready_time"])
+        elif record["record"] == "update":
+            served = jobs.pop(key, {})
+            pairs = [(ready, end - start) for (start, end), ready in served.items()]
+            suffix = record.get("barrier_s", 0.0) + record.get("publication_s", 0.0)
+            lanes[record["rank"]].append(replay_lane(pairs, record["rollout_close"], suffix))
+    if not lanes:
+        raise ValueError("the trace has no finished update records")
+    counts = {rank: len(updates) for rank, updates in lanes.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"ranks recorded different numbers of updates: {counts}")
+    return TraceReplay(dict(lanes))
+
+
+def replay_trace(path: str | Path) -> TraceReplay:
+    """Replay a trace file or a directory of ``trace-rank*.jsonl`` files."""
+    from tslightning.callbacks.release_trace import read_trace
+
+    return replay_records(read_trace(path))
+
+
+def _ends(lanes: dict[int, list[LaneReplay]], field: str) -> list[list[float]]:
+    return [[getattr(lane, field) for lane in updates] for updates in lanes.values()]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
