@@ -76,7 +76,9 @@ class UpdateResult:
     Attributes:
         policy_version: k + 1, the version of the parameters after the step.
         direction_norm: Global L2 norm of the batch direction g_k before clipping.
-        clip_coefficient: Factor clipping applied (1.0 when the norm was within ``max_grad_norm``).
+        clip_coefficient: ‖applied .grad‖ / ‖g_k‖ as measured before the step: the module's own clipping, or a
+            callback's run from ``before_step`` (a Trainer clips inside ``step``, after this is read: see the
+            GradientClipping callback's metrics there).
         num_sources: Sources folded into the update (on this rank).
         num_scored_tokens: Scored action tokens (OPD: the global N_k of Eq. 9).
         groups: GRPO group reductions in the order they closed (empty for OPD).
@@ -312,12 +314,13 @@ class StreamingPolicyModule(L.LightningModule):
         if self._trainer is not None or self._fabric is not None:
             update = self.last_update
             metrics = {
-                "actor/grad_norm": update.direction_norm,
-                "actor/clip_coefficient": update.clip_coefficient,
                 "actor/num_sources": float(update.num_sources),
                 "actor/num_scored_tokens": float(update.num_scored_tokens),
                 "actor/policy_version": float(update.policy_version),
             }
+            if self.max_grad_norm is not None:  # otherwise GradientClipping logs the norm and coefficient it applied
+                metrics["actor/grad_norm"] = update.direction_norm
+                metrics["actor/grad_clip_coef"] = update.clip_coefficient
             self.log_dict(metrics, batch_size=1, on_step=True)
 
     def transfer_batch_to_device(self, batch: StreamItem | BatchPlan, device: torch.device, dataloader_idx: int):
