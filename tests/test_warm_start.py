@@ -49,3 +49,14 @@ def test_warm_start_makes_the_policy_emit_the_demonstrated_action(tokenizer, mak
 def test_warm_start_requires_demonstrations(tokenizer, make_policy):
     with pytest.raises(ValueError, match="demonstration"):
         supervised_warm_start(copy.deepcopy(make_policy(torch.float32)), AgentLoop(None, tokenizer), [])
+
+
+def test_near_miss_drops_the_redirection_or_the_last_line():
+    from tslightning.warm_start import near_miss
+
+    one_line = Demonstration(
+        "count", (("<bash>wc -l < log.txt > count.txt</bash>", "[exit code 0]"), ("<finish/>", ""))
+    )
+    assert near_miss(one_line).turns[0][0] == "<bash>wc -l < log.txt</bash>"
+    two_lines = Demonstration("x", (("<bash>sort a > b\nmv b a</bash>", "[exit code 0]"), ("<finish/>", "")))
+    assert near_miss(two_lines).turns == (("<bash>sort a > b</bash>", "[exit code 0]"), ("<finish/>", ""))

@@ -46,7 +46,7 @@ from tslightning.tasks.terminal_task import TerminalTask, find_task_dirs
 from tslightning.tasks.validation import library_dir
 from tslightning.timeline import plot_timeline
 from tslightning.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
-from tslightning.warm_start import Demonstration, reference_demonstration, supervised_warm_start
+from tslightning.warm_start import supervised_warm_start, task_demonstrations
 
 
 @dataclass
@@ -429,7 +429,7 @@ def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
     policy, tokenizer = load_tiny_model(source)
     if warm_start.steps:
         loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
-        demos = _demonstrations(tasks, warm_start.near_misses)
+        demos = task_demonstrations(tasks, warm_start.near_misses)
         supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
     policy_dir = out / "policy-0"
     policy.save_pretrained(policy_dir)
@@ -446,22 +446,6 @@ def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
         )
         policy = get_peft_model(policy, config)
     return policy, tokenizer, policy_dir
-
-
-def _demonstrations(tasks, near_misses: bool) -> list[Demonstration]:
-    demos = [reference_demonstration(t) for t in tasks if t.solution_script is not None]
-    if near_misses:
-        demos += [_near_miss(d) for d in demos]
-    return demos
-
-
-def _near_miss(demo: Demonstration) -> Demonstration:
-    """The reference command with its last line dropped (or, for one-liners, with no output redirection): usually
-    partially right, so its verifier scores between the no-op's and the reference's."""
-    action = demo.turns[0][0].removeprefix("<bash>").removesuffix("</bash>")
-    lines = action.splitlines()
-    wrong = "\n".join(lines[:-1]) if len(lines) > 1 else action.split(">")[0].strip()
-    return Demonstration(demo.instruction, ((f"<bash>{wrong}</bash>", "[exit code 0]"), ("<finish/>", "")))
 
 
 def _agent_limits(rollout: RolloutSettings) -> AgentLimits:
@@ -493,7 +477,7 @@ def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, 
     teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", TinyModelConfig(seed=seed)))
     if warm_start.steps:
         loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
-        demos = _demonstrations(tasks, near_misses=False)
+        demos = task_demonstrations(tasks, near_misses=False)
         supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
     return TeacherScorer(teacher)
 

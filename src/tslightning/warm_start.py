@@ -92,3 +92,20 @@ def reference_demonstration(task) -> Demonstration:
     return Demonstration(
         task.instruction.strip(), ((f"<bash>{chr(10).join(kept)}</bash>", "[exit code 0]"), ("<finish/>", ""))
     )
+
+
+def task_demonstrations(tasks, near_misses: bool) -> list[Demonstration]:
+    """Each task's reference solution as a demonstration, plus (``near_misses``) a partially right variant of it."""
+    demos = [reference_demonstration(t) for t in tasks if t.solution_script is not None]
+    if near_misses:
+        demos += [near_miss(d) for d in demos]
+    return demos
+
+
+def near_miss(demo: Demonstration) -> Demonstration:
+    """The reference command with its last line dropped (or, for one-liners, with no output redirection): usually
+    partially right, so its verifier scores between the no-op's and the reference's."""
+    action = demo.turns[0][0].removeprefix("<bash>").removesuffix("</bash>")
+    lines = action.splitlines()
+    wrong = "\n".join(lines[:-1]) if len(lines) > 1 else action.split(">")[0].strip()
+    return Demonstration(demo.instruction, ((f"<bash>{wrong}</bash>", "[exit code 0]"), ("<finish/>", "")))
