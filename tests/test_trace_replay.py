@@ -77,15 +77,17 @@ def test_replay_of_a_trace_file(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["predicted_speedup"] == pytest.approx(expected)
 
 
-def test_sources_served_together_are_one_job():
-    shared = {"record": "source", "update": 0, "rank": 0, "service_start": 5.0, "service_end": 7.0}
+def test_sources_served_together_share_their_interval_by_tokens():
+    shared = {"record": "source", "update": 0, "rank": 0, "service_start": 5.0, "service_end": 8.0}
     records = [
-        dict(shared, ready_time=1.0),
-        dict(shared, ready_time=3.0),
+        dict(shared, ready_time=1.0, tokens=200),
+        dict(shared, ready_time=3.0, tokens=100),
         {"record": "update", "update": 0, "rank": 0, "rollout_close": 4.0, "barrier_s": 0.0, "publication_s": 0.0},
     ]
     (lane,) = replay_records(records).lanes[0]
-    assert lane.learner_service == 2.0 and lane.last_completion == 5.0  # one 2 s job ready at 3
+    # A sync micro-batch of 3 s: a 2 s job ready at 1 (done at 3), then a 1 s job ready at 3 (done at 4).
+    assert lane.learner_service == pytest.approx(3.0) and lane.last_completion == pytest.approx(4.0)
+    assert lane.sync_end == pytest.approx(7.0) and lane.thundersync_end == pytest.approx(4.0)
 
 
 def test_replay_rejects_a_trace_without_updates():

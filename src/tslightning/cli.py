@@ -5,11 +5,13 @@ from __future__ import annotations
 import json as json_module
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
 from jsonargparse import CLI
 
+from tslightning.analytical_model import SpeedupModelParameters
 from tslightning.evaluation import format_report
 from tslightning.evaluation import validate as run_validation
 from tslightning.fit import RolloutSettings, fit
@@ -161,14 +163,133 @@ def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
     )
 
 
+def bench(
+    fit_config: str,
+    schedules: str = "sync,thundersync,async,fully_async",
+    updates: int = 10,
+    warmup: int = 2,
+    out_dir: str = "runs/bench",
+    latency_scales: Sequence[float] = (),
+    fit_args: Sequence[str] = (),
+    json: str | None = None,
+    pictures: bool = True,
+) -> None:
+    """Run one workload under each schedule side by side and print the comparison (SPEC §4; App. B, F).
+
+    Usage: ``tslightning bench --config configs/bench_balanced.yaml --schedules sync,thundersync --updates 10
+    --warmup 2 --json runs/bench/bench.json`` (``--config`` names the fit config: it is ``--fit_config``). Each
+    schedule runs the config as its own ``tslightning fit`` process, one after another; the table gives, over the
+    updates after ``warmup``, the mean step time, the speedup vs sync (ratio of means), the trace-replay predicted
+    speedup, trainer active MFU, learner service time (and its ratio to sync's), learner and rollout idle
+    fractions, the rollout/learner ratio r, policy lag, peak learner memory and mean reward.
+
+    Args:
+        fit_config: The ``tslightning fit`` config of the workload (a ``configs/bench_*.yaml``); ``--config`` too.
+        schedules: Comma-separated schedules among sync, thundersync, async, fully_async.
+        updates: Updates per run, warm-up included.
+        warmup: Leading updates left out of the means (App. B.3).
+        out_dir: Run directories and pictures go here.
+        latency_scales: Ratio sweep: extra sync and thundersync runs with the simulated tool latency scaled by each
+            factor (e.g. ``[0.35, 2.8]``).
+        fit_args: Extra ``tslightning fit`` arguments for every run (e.g. ``["--warm_start.steps=50"]``).
+        json: Also write the measurements to this JSON file.
+        pictures: Write Fig. 3-style timelines per run and the Fig. 8-style predicted-vs-measured scatter.
+    """
+    from tslightning.bench import bench as run_bench
+    from tslightning.bench import format_table, write_pictures
+
+    try:
+        measurements = run_bench(
+            fit_config,
+            [s.strip() for s in schedules.split(",") if s.strip()],
+            updates,
+            warmup,
+            out_dir,
+            latency_scales,
+            fit_args,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"bench: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(format_table(measurements))
+    if pictures:
+        for path in write_pictures(measurements, out_dir):
+            print(f"wrote {path}")
+    if json is not None:
+        Path(json).parent.mkdir(parents=True, exist_ok=True)
+        Path(json).write_text(json_module.dumps([asdict(m) for m in measurements], indent=2))
+        print(f"wrote {json}")
+
+
+def predict(
+    objective: Literal["grpo", "opd"] = "grpo",
+    batch: int = 256,
+    ratio: float = 1.0,
+    turns: int = 40,
+    capacity: int = SpeedupModelParameters.capacity,
+    group_size: int = SpeedupModelParameters.group_size,
+    closure_fraction: float = SpeedupModelParameters.closure_fraction,
+    deferred_fraction: float = SpeedupModelParameters.deferred_fraction,
+    service_exponent: float = SpeedupModelParameters.service_exponent,
+    suffix: float = SpeedupModelParameters.suffix,
+    plots: str | None = None,
+    json: bool = False,
+) -> None:
+    """Predict Sync vs ThunderSync step time and speedup from the analytical model (App. F, Eqs. 16-28).
+
+    Usage: ``tslightning predict [--objective opd] [--batch 256] [--ratio 1.0] [--turns 40] [--plots DIR]``.
+    No trace or GPU needed: the workload is B trajectories in w = max(1, B/Q) rollout waves with learner load
+    ρ_w = min(1, B/Q)/r (Eq. 28), work released by Eq. 22 (GRPO) or Eq. 24 (OPD). Step times print in units of W,
+    the rollout time of one full wave. The defaults are App. F.5's, which reproduce App. F.6's quoted speedups.
+    Exits 2 on an invalid argument.
+
+    Args:
+        objective: ``grpo`` (work released at each reward, Eq. 22) or ``opd`` (per scored turn, Eq. 24).
+        batch: B, trajectories per optimizer step.
+        ratio: r, rollout time over learner time at full capacity (1 is balance).
+        turns: a, agentic turns per trajectory (GRPO's prediction does not depend on it).
+        capacity: Q, trajectories one full rollout wave runs at once.
+        group_size: m, GRPO group size (trajectories).
+        closure_fraction: β, share of GRPO learner service that waits for the whole group (0-1).
+        deferred_fraction: δ, share of OPD learner service deferred to trajectory completion (0-1).
+        service_exponent: γ ≥ 0, learner service of a trajectory completing at u·W grows as u^γ.
+        suffix: κ_w, serial suffix (reduction, optimizer step, publication) in units of W.
+        plots: Also write Figs. 9 and 10 (speedup over r × turns and r × batch, GRPO and OPD) as PNGs here.
+        json: Print the prediction as JSON.
+    """
+    from tslightning.analytical_model import predict_speedup
+
+    try:
+        parameters = SpeedupModelParameters(
+            capacity, group_size, closure_fraction, deferred_fraction, service_exponent, suffix
+        )
+        prediction = predict_speedup(objective, batch, ratio, turns, parameters)
+    except ValueError as error:
+        print(f"predict: {error}", file=sys.stderr)
+        sys.exit(2)
+    written = []
+    if plots is not None:
+        from tslightning.speedup_plots import write_speedup_surfaces
+
+        written = [str(path) for path in write_speedup_surfaces(plots, parameters)]
+    if json:
+        print(json_module.dumps({**prediction.to_dict(), "plots": written}, indent=2))
+        return
+    print(prediction.summary())
+    for path in written:
+        print(f"  wrote {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``tslightning`` console script."""
-    args = _positional_task_dir(list(sys.argv[1:] if argv is None else argv))
+    args = _bench_fit_config(_positional_task_dir(list(sys.argv[1:] if argv is None else argv)))
     commands = {
         "fit": fit,
         "verify": verify,
         "validate": validate,
         "replay": replay,
+        "predict": predict,
+        "bench": bench,
         "tasks": {"validate": tasks_validate},
     }
     CLI(commands, args=_expand_bare_flags(args), as_positional=False)
@@ -181,8 +302,24 @@ def _positional_task_dir(args: list[str]) -> list[str]:
     return args
 
 
+def _bench_fit_config(args: list[str]) -> list[str]:
+    """``bench --config FILE`` names the workload's fit config, not a config of bench's own arguments."""
+    if args[:1] != ["bench"]:
+        return args
+    renamed = []
+    for arg in args:
+        if arg == "--config":
+            arg = "--fit_config"
+        elif arg.startswith("--config="):
+            arg = "--fit_config=" + arg.removeprefix("--config=")
+        renamed.append(arg)
+    return renamed
+
+
 def _expand_bare_flags(args: list[str]) -> list[str]:
-    """Let boolean switches be given bare (``--json``) as well as ``--json true``."""
+    """Let boolean switches be given bare (``--json``) as well as ``--json true`` (``bench --json`` takes a path)."""
+    if args[:1] == ["bench"]:
+        return args
     expanded = []
     for position, arg in enumerate(args):
         expanded.append(arg)

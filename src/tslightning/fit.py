@@ -9,9 +9,11 @@ the weight publisher installs θ_{k+1} on every rollout replica before update k+
 from __future__ import annotations
 
 import json
+import os
+import resource
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +42,12 @@ from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.sources import BatchClosed
 from tslightning.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.tasks.simulated_tool import (
+    SimulatedToolEnvironment,
+    SimulatedToolSettings,
+    gauge_demonstrations,
+    simulated_tasks,
+)
 from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask, find_task_dirs
@@ -61,6 +69,8 @@ class ModelSettings:
     """Learner dtype. ``float64`` (exactness checks) computes norms in float64 too; the engine then serves float32."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of every weight (publication merges it into the served weights)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the embedded model when ``path`` is ``None`` (its ``seed`` is replaced by the run seed)."""
 
 
 @dataclass
@@ -81,6 +91,14 @@ class RolloutSettings:
 
     engine: Literal["hf", "vllm"] = "hf"
     replicas: int = 1
+    cpus: list[int] | None = None
+    """CPU cores the rollout replicas run on (``hf`` engine; ``None``: anywhere). Give the learner other cores
+    (``learner_cpus``) so rollout and learner do not compete, as on separate GPUs."""
+    environment: Literal["terminal", "simulated_tool"] = "terminal"
+    """``terminal``: sandboxed terminal tasks; ``simulated_tool``: the benchmark's gauge tasks, whose tool calls
+    sleep a seeded latency (:mod:`tslightning.tasks.simulated_tool`; ``tasks`` and ``split`` do not apply)."""
+    simulated_tool: SimulatedToolSettings = field(default_factory=SimulatedToolSettings)
+    """Latencies, readings and task count of the ``simulated_tool`` environment."""
     tasks: str | None = None
     """A task directory or a directory of tasks; ``None`` uses the shipped library."""
     task_names: list[str] | None = None
@@ -133,6 +151,8 @@ class FitResult:
     step_seconds: list[float] = field(default_factory=list)
     teacher_gaps: list[float] = field(default_factory=list)
     """OPD: per update, mean log π_T − log π_θk over the sampled action tokens."""
+    peak_learner_memory_mb: float = 0.0
+    """Peak learner memory: CUDA max allocated on a GPU, else this process's max resident set (MiB)."""
     out_dir: str = ""
 
 
@@ -155,6 +175,7 @@ def fit(
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
+    learner_cpus: list[int] | None = None,
     progress: bool = True,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
@@ -185,6 +206,8 @@ def fit(
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``); one learner device per run here
             (several learner ranks come with the Fabric strategies).
+        learner_cpus: CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with
+            ``rollout.cpus`` this places rollout and learner on separate cores, as the benchmark does.
         progress: Show a progress bar.
     """
     _check_resume(resume, schedule)
@@ -192,6 +215,7 @@ def fit(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_resolved_config(locals()), indent=2, default=str))
     torch.manual_seed(seed)
+    _place_learner(learner_cpus)
 
     tasks = _training_tasks(rollout)
     policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
@@ -201,7 +225,7 @@ def fit(
         engine,
         tokenizer,
         tasks,
-        lambda task: TerminalTaskAttempt(task, rollout.reward_scheme),
+        _attempt_factory(rollout),
         objective,
         rollout.prompts_per_update,
         rollout.samples_per_prompt,
@@ -281,12 +305,19 @@ def _run_updates(
         fabric.log_dict(metrics, step=update)
         bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
     fabric.call("on_train_end", trainer=fabric, pl_module=module)
+    result.peak_learner_memory_mb = _peak_memory_mb(fabric.device)
     for logger in fabric.loggers:
         logger.finalize("success")
     (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
     if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
         plot_timeline(out / "trace", out / "timeline.png")
     return result
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _one_update(fabric, module, optimizer, datamodule, update: int) -> None:
@@ -408,7 +439,36 @@ def _resume(path: str, fabric, module, optimizer, engine) -> int:
     return point.next_update
 
 
-def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:
+def _place_learner(cpus: list[int] | None) -> None:
+    if cpus is None:
+        return
+    if not cpus:
+        raise ValueError("learner_cpus is empty; list at least one core, or null to leave placement alone")
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def _attempt_factory(rollout: RolloutSettings):
+    if rollout.environment == "simulated_tool":
+        return SimulatedToolEnvironment(rollout.simulated_tool)
+    return lambda task: TerminalTaskAttempt(task, rollout.reward_scheme)
+
+
+def _demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):
+    if rollout.environment == "simulated_tool":
+        return gauge_demonstrations(tasks, near_misses)
+    return task_demonstrations(tasks, near_misses)
+
+
+def _training_tasks(rollout: RolloutSettings):
+    if rollout.environment == "simulated_tool":
+        tasks = simulated_tasks(rollout.simulated_tool)
+        if rollout.task_names is not None:
+            unknown = sorted(set(rollout.task_names) - {t.task_id for t in tasks})
+            if unknown:
+                raise ValueError(f"rollout.task_names {unknown} are not simulated_tool tasks (gauge-0 ...)")
+            tasks = [t for t in tasks if t.task_id in rollout.task_names]
+        return tasks
     root = Path(rollout.tasks) if rollout.tasks else library_dir()
     tasks = [TerminalTask.load(d) for d in find_task_dirs(root)]
     if rollout.task_names is not None:
@@ -425,11 +485,11 @@ def _training_tasks(rollout: RolloutSettings) -> list[TerminalTask]:
 
 def _prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
     """Load (or build) the policy, warm-start it, and save it where the rollout engine loads it."""
-    source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", TinyModelConfig(seed=seed))
+    source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed))
     policy, tokenizer = load_tiny_model(source)
     if warm_start.steps:
         loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
-        demos = task_demonstrations(tasks, warm_start.near_misses)
+        demos = _demonstrations(rollout, tasks, warm_start.near_misses)
         supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
     policy_dir = out / "policy-0"
     policy.save_pretrained(policy_dir)
@@ -461,10 +521,13 @@ def _start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
     if rollout.engine == "vllm":
         from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
+        if rollout.cpus is not None:
+            raise ValueError("rollout.cpus places hf replicas; the in-process vllm engine shares the learner's cores")
+
         return VLLMRolloutEngine(policy_dir, dtype=dtype)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
-    return HFRolloutEngine(policy_dir, dtype=dtype, replicas=rollout.replicas)
+    return HFRolloutEngine(policy_dir, dtype=dtype, replicas=rollout.replicas, cpus=rollout.cpus)
 
 
 def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path) -> TeacherScorer:
@@ -474,10 +537,10 @@ def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, 
     if model.teacher_path:
         teacher, _ = load_tiny_model(model.teacher_path)
         return TeacherScorer(teacher)
-    teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", TinyModelConfig(seed=seed)))
+    teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
     if warm_start.steps:
         loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
-        demos = task_demonstrations(tasks, near_misses=False)
+        demos = _demonstrations(rollout, tasks, near_misses=False)
         supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
     return TeacherScorer(teacher)
 

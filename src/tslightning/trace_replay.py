@@ -99,20 +99,25 @@ class TraceReplay:
 def replay_records(records: Iterable[dict]) -> TraceReplay:
     """Replay records as written by :class:`~tslightning.callbacks.ReleaseTraceRecorder` (one or many ranks).
 
-    τ_j is a source's ``ready_time``, p_j its service interval, R the update's ``rollout_close`` and
+    τ_j is a source's ``ready_time``, p_j its service time, R the update's ``rollout_close`` and
     P = ``barrier_s`` + ``publication_s``. Sources served together (a ``sync`` micro-batch records one interval for
-    all of its sources) form one job, ready when its last member is.
+    all of its sources) share that interval's time in proportion to their tokens (context included), each released
+    at its own ready time: the replay of a sync trace predicts ThunderSync at sync's learner efficiency.
     """
-    jobs: dict[tuple[int, int], dict[tuple[float, float], float]] = defaultdict(dict)
+    jobs: dict[tuple[int, int], dict[tuple[float, float], list[tuple[float, int]]]] = defaultdict(dict)
     lanes: dict[int, list[LaneReplay]] = defaultdict(list)
     for record in records:
         key = (record["rank"], record["update"])
         if record["record"] == "source":
             interval = (record["service_start"], record["service_end"])
-            jobs[key][interval] = max(jobs[key].get(interval, record["ready_time"]), record["ready_time"])
+            jobs[key].setdefault(interval, []).append((record["ready_time"], record.get("tokens") or 1))
         elif record["record"] == "update":
             served = jobs.pop(key, {})
-            pairs = [(ready, end - start) for (start, end), ready in served.items()]
+            pairs = [
+                (ready, (end - start) * tokens / sum(t for _, t in members))
+                for (start, end), members in served.items()
+                for ready, tokens in members
+            ]
             suffix = record.get("barrier_s", 0.0) + record.get("publication_s", 0.0)
             lanes[record["rank"]].append(replay_lane(pairs, record["rollout_close"], suffix))
     if not lanes:

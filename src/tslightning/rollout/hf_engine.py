@@ -62,6 +62,7 @@ class HFRolloutEngine:
         dtype: Dtype the replicas compute in (``torch.float32`` for exact log-probs).
         replicas: Number of replica processes.
         threads_per_replica: ``torch.set_num_threads`` in each replica.
+        cpus: CPU cores every replica process is pinned to (``os.sched_setaffinity``); ``None``: not pinned.
         max_batch_size: Most requests one replica decodes together.
         policy_version: Version of the checkpoint's weights.
         start_timeout: Seconds to wait for every replica to load the model.
@@ -75,6 +76,7 @@ class HFRolloutEngine:
         dtype: torch.dtype | str = torch.float32,
         replicas: int = 1,
         threads_per_replica: int = 1,
+        cpus: Sequence[int] | None = None,
         max_batch_size: int = 64,
         policy_version: int = 0,
         start_timeout: float = 300.0,
@@ -82,6 +84,8 @@ class HFRolloutEngine:
     ) -> None:
         _check_positive(replicas=replicas, threads_per_replica=threads_per_replica, max_batch_size=max_batch_size)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if cpus is not None and (not cpus or not set(cpus) <= set(range(os.cpu_count() or 1))):
+            raise ValueError(f"HFRolloutEngine: cpus {list(cpus)} must name cores 0..{(os.cpu_count() or 1) - 1}")
         self._shared, self._aliases, self._vocab_size = _stage_initial_weights(model_path, dtype)
         self._policy_version = policy_version
         self._publish_timeout = publish_timeout
@@ -95,7 +99,8 @@ class HFRolloutEngine:
         self._failure: str | None = None
         self._closing = False
         context = mp.get_context("spawn")
-        replica_args = (model_path, dtype, self._shared, policy_version, threads_per_replica, max_batch_size)
+        cpus = None if cpus is None else tuple(cpus)
+        replica_args = (model_path, dtype, self._shared, policy_version, threads_per_replica, cpus, max_batch_size)
         self._replicas = [_Replica.start(context, index, replica_args) for index in range(replicas)]
         self._reader = threading.Thread(target=self._read, name="hf-rollout-reader", daemon=True)
         self._reader.start()
@@ -398,11 +403,14 @@ def _replica_main(
     shared: dict[str, torch.Tensor],
     policy_version: int,
     threads: int,
+    cpus: tuple[int, ...] | None,
     max_batch_size: int,
     inbox: Any,
     outbox: Connection,
 ) -> None:
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         transformers.utils.logging.disable_progress_bar()
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()

@@ -1,0 +1,195 @@
+"""Simulated-tool tasks: the benchmark's controlled agent environment (App. B/F workloads on CPU).
+
+Each task asks the agent to read a gauge an exact number of times and then finish. Generation is real (the rollout
+engine samples every action); the tool is simulated: a call sleeps for a seeded, heavy-tailed latency — the time a
+remote sandbox or API would take, spent without using a CPU core — and returns a reading of seeded length. So a
+benchmark controls the two things that shape the release trace: tool latency (its scale sets the rollout/learner
+ratio r) and trajectory heterogeneity (tasks need 1..``max_calls`` calls; latencies and observation lengths vary),
+while rollout and learner CPU work stay real.
+
+Latencies and readings are a pure function of (seed, task, attempt ordinal, call index): attempts of one task are
+numbered in the order the rollout DataModule opens them, which is the same under every schedule when
+``max_concurrent_attempts`` admits the whole batch at once (the benchmark configs do).
+
+The reward (SETA form, App. C.1) scores how close the number of calls came to the task's target:
+p = max(0, 1 − |calls − target| / target), r = p + 0.5·1[p = 1].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from types import TracebackType
+
+from tslightning.warm_start import Demonstration
+
+GAUGE_COMMAND = "read-gauge"
+
+
+@dataclass
+class SimulatedToolSettings:
+    """The simulated environment of a benchmark workload.
+
+    Latency is log-normal: ``median_latency_s · exp(sigma · z)`` with z standard normal, capped at
+    ``max_latency_s``; multiply ``median_latency_s`` to sweep the rollout/learner ratio.
+    """
+
+    num_tasks: int = 8
+    """Distinct gauge tasks (task ``gauge-<i>`` needs ``1 + i mod max_calls`` calls)."""
+    max_calls: int = 4
+    """Largest number of gauge reads a task asks for."""
+    median_latency_s: float = 0.2
+    """Median seconds one tool call takes."""
+    latency_sigma: float = 0.6
+    """Log-normal shape: 0 gives every call the median latency; 1 gives a heavy tail."""
+    max_latency_s: float = 5.0
+    """Cap on one call's latency (the tool timeout)."""
+    min_reading_chars: int = 8
+    """Shortest gauge reading returned (characters)."""
+    max_reading_chars: int = 96
+    """Longest gauge reading returned (characters): observation lengths vary between the two."""
+    seed: int = 0
+    """Seed of latencies and readings."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("num_tasks", "max_calls", "min_reading_chars"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.median_latency_s < 0 or self.latency_sigma < 0:
+            problems.append("median_latency_s and latency_sigma must be >= 0")
+        if self.max_latency_s < self.median_latency_s:
+            problems.append(f"max_latency_s ({self.max_latency_s}) must be >= median_latency_s")
+        if self.max_reading_chars < self.min_reading_chars:
+            problems.append("max_reading_chars must be >= min_reading_chars")
+        if problems:
+            raise ValueError("rollout.simulated_tool: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class SimulatedToolTask:
+    """One gauge task: read the gauge ``target_calls`` times, then finish."""
+
+    task_id: str
+    target_calls: int
+
+    @property
+    def name(self) -> str:
+        return self.task_id
+
+    @property
+    def group_id(self) -> str:
+        return self.task_id
+
+    @property
+    def instruction(self) -> str:
+        times = "once" if self.target_calls == 1 else f"{self.target_calls} times"
+        return f"Read the gauge {times} with {GAUGE_COMMAND}, then finish."
+
+
+@dataclass(frozen=True)
+class GaugeOutcome:
+    """What one simulated tool call returns (the agent loop's ``CommandOutcome``)."""
+
+    output: str
+    exit_code: int | None
+    timed_out: bool = False
+    limit_hit: str | None = None
+
+
+def simulated_tasks(settings: SimulatedToolSettings) -> list[SimulatedToolTask]:
+    """The ``num_tasks`` gauge tasks; task i needs ``1 + i mod max_calls`` calls."""
+    return [SimulatedToolTask(f"gauge-{i}", 1 + i % settings.max_calls) for i in range(settings.num_tasks)]
+
+
+def gauge_reward(calls: int, target: int) -> float:
+    """SETA reward of ``calls`` gauge reads against ``target``: p + 0.5·1[p = 1] with
+    p = max(0, 1 − |calls − target| / target)."""
+    progress = max(0.0, 1.0 - abs(calls - target) / target)
+    return progress + (0.5 if progress == 1.0 else 0.0)
+
+
+def gauge_demonstrations(tasks: list[SimulatedToolTask], near_misses: bool = True) -> list[Demonstration]:
+    """Warm-start demonstrations: each task solved exactly, plus (``near_misses``) one call short and one too many,
+    so sampled groups carry a reward spread."""
+    demos = []
+    for task in tasks:
+        counts = [task.target_calls]
+        if near_misses:
+            counts += [c for c in (task.target_calls - 1, task.target_calls + 1) if c >= 1]
+        for count in counts:
+            turns = [
+                (f"<bash>{GAUGE_COMMAND}</bash>", f"gauge reading {k + 1}: 42\n[exit code 0]") for k in range(count)
+            ]
+            demos.append(Demonstration(task.instruction, (*turns, ("<finish/>", ""))))
+    return demos
+
+
+class SimulatedToolAttempt:
+    """One attempt: gauge reads sleep a seeded latency; :meth:`verify` scores the number of reads."""
+
+    def __init__(self, task: SimulatedToolTask, settings: SimulatedToolSettings, ordinal: int) -> None:
+        self.task = task
+        self.settings = settings
+        self.ordinal = ordinal
+        self.calls = 0
+        """Successful gauge reads so far."""
+        self.commands = 0
+        """Commands run so far (the call index that seeds each latency)."""
+        self.tool_seconds = 0.0
+
+    def run_command(self, command: str) -> GaugeOutcome:
+        """Sleep the call's latency; a gauge read returns a reading, any other command fails with exit code 127."""
+        rng = self._rng(self.commands)
+        self.commands += 1
+        latency = self._latency(rng)
+        time.sleep(latency)
+        self.tool_seconds += latency
+        if command.strip() != GAUGE_COMMAND:
+            return GaugeOutcome(f"sh: {command.strip()[:40]}: command not found", 127)
+        self.calls += 1
+        length = rng.randint(self.settings.min_reading_chars, self.settings.max_reading_chars)
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
+        return GaugeOutcome(f"gauge reading {self.calls}: {digits}", 0)
+
+    def verify(self) -> float:
+        return gauge_reward(self.calls, self.task.target_calls)
+
+    def close(self) -> None:
+        """Nothing to clean up (no files, no processes)."""
+
+    def __enter__(self) -> SimulatedToolAttempt:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _rng(self, call: int) -> random.Random:
+        key = f"{self.settings.seed}/{self.task.task_id}/{self.ordinal}/{call}".encode()
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+    def _latency(self, rng: random.Random) -> float:
+        s = self.settings
+        return min(s.max_latency_s, s.median_latency_s * math.exp(s.latency_sigma * rng.gauss(0.0, 1.0)))
+
+
+class SimulatedToolEnvironment:
+    """The attempt factory of a simulated-tool workload: numbers each task's attempts in the order they open."""
+
+    def __init__(self, settings: SimulatedToolSettings) -> None:
+        self.settings = settings
+        self._opened: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def __call__(self, task: SimulatedToolTask) -> SimulatedToolAttempt:
+        with self._lock:
+            ordinal = self._opened[task.task_id]
+            self._opened[task.task_id] += 1
+        return SimulatedToolAttempt(task, self.settings, ordinal)

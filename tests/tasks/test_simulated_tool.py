@@ -1,0 +1,94 @@
+"""The benchmark's simulated-tool environment: seeded, heterogeneous, and scored by the number of gauge reads."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tslightning.tasks.simulated_tool import (
+    GAUGE_COMMAND,
+    SimulatedToolEnvironment,
+    SimulatedToolSettings,
+    gauge_demonstrations,
+    gauge_reward,
+    simulated_tasks,
+)
+
+
+def settings(**overrides) -> SimulatedToolSettings:
+    values = {"median_latency_s": 0.002, "latency_sigma": 0.8, "max_latency_s": 0.05, **overrides}
+    return SimulatedToolSettings(**values)
+
+
+def test_tasks_cycle_through_call_targets():
+    tasks = simulated_tasks(settings(num_tasks=6, max_calls=4))
+    assert [t.target_calls for t in tasks] == [1, 2, 3, 4, 1, 2]
+    assert tasks[2].task_id == tasks[2].group_id == "gauge-2" and "3 times" in tasks[2].instruction
+    assert "once" in tasks[0].instruction
+
+
+@pytest.mark.parametrize(
+    ("calls", "target", "reward"), [(2, 2, 1.5), (1, 2, 0.5), (3, 2, 0.5), (4, 2, 0.0), (9, 2, 0.0), (0, 1, 0.0)]
+)
+def test_reward_is_seta_on_closeness_to_the_target(calls, target, reward):
+    assert gauge_reward(calls, target) == reward
+
+
+def test_attempts_are_seeded_by_task_and_ordinal_and_vary_between_them():
+    task = simulated_tasks(settings())[3]
+    first, second = SimulatedToolEnvironment(settings()), SimulatedToolEnvironment(settings())
+    a0, a1 = first(task), first(task)
+    b0 = second(task)
+    outputs_a0 = [a0.run_command(GAUGE_COMMAND).output for _ in range(3)]
+    outputs_b0 = [b0.run_command(GAUGE_COMMAND).output for _ in range(3)]
+    outputs_a1 = [a1.run_command(GAUGE_COMMAND).output for _ in range(3)]
+    assert outputs_a0 == outputs_b0  # same (seed, task, ordinal): same readings and latencies
+    assert a0.tool_seconds == b0.tool_seconds
+    assert outputs_a0 != outputs_a1 and a0.tool_seconds != a1.tool_seconds  # the next attempt differs
+    lengths = {len(o) for o in outputs_a0 + outputs_a1}
+    assert len(lengths) > 1  # observation lengths vary
+    assert a0.verify() == gauge_reward(3, task.target_calls)
+
+
+def test_a_call_sleeps_its_latency_within_the_cap():
+    attempt = SimulatedToolEnvironment(settings(median_latency_s=0.02, latency_sigma=0.0, max_latency_s=0.02))(
+        simulated_tasks(settings())[0]
+    )
+    start = time.perf_counter()
+    attempt.run_command(GAUGE_COMMAND)
+    assert time.perf_counter() - start >= 0.02 and attempt.tool_seconds == pytest.approx(0.02)
+
+
+def test_other_commands_fail_and_do_not_count_as_reads():
+    attempt = SimulatedToolEnvironment(settings())(simulated_tasks(settings())[0])
+    outcome = attempt.run_command("ls /app")
+    assert outcome.exit_code == 127 and "command not found" in outcome.output
+    assert attempt.calls == 0 and attempt.commands == 1 and attempt.verify() == 0.0
+
+
+def test_demonstrations_solve_each_task_with_near_misses():
+    tasks = simulated_tasks(settings(num_tasks=2, max_calls=2))
+    demos = gauge_demonstrations(tasks, near_misses=True)
+    reads = sorted((d.instruction, sum(GAUGE_COMMAND in a for a, _ in d.turns)) for d in demos)
+    assert reads == sorted(
+        [(tasks[0].instruction, 1), (tasks[0].instruction, 2), (tasks[1].instruction, 2)]
+        + [(tasks[1].instruction, 1), (tasks[1].instruction, 3)]
+    )
+    assert all(d.turns[-1][0] == "<finish/>" for d in demos)
+    assert len(gauge_demonstrations(tasks, near_misses=False)) == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("num_tasks", 0),
+        ("max_calls", 0),
+        ("median_latency_s", -1.0),
+        ("max_latency_s", 0.0001),
+        ("max_reading_chars", 1),
+    ],
+)
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field.split("_")[0]):
+        settings(**{field: value, **({"median_latency_s": 0.01} if field == "max_latency_s" else {})})

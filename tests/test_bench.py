@@ -1,0 +1,118 @@
+"""`tslightning bench`: its accounting on a hand-made run, and one small real run of two schedules side by side.
+
+Timing figures belong to the benchmark itself; these tests check what it computes from a run's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tslightning import cli
+from tslightning.bench import bench, format_table, measure_run
+
+CONFIG = Path(__file__).parents[1] / "configs" / "bench_balanced.yaml"
+
+
+def _write_run(run_dir: Path) -> None:
+    (run_dir / "trace").mkdir(parents=True)
+    (run_dir / "csv" / "version_0").mkdir(parents=True)
+    (run_dir / "rewards.json").write_text(
+        json.dumps({"step_seconds": [9.0, 3.0, 2.5], "mean_rewards": [0.0, 0.5, 1.0], "peak_learner_memory_mb": 321.0})
+    )
+
+    def source(update, ready, start, end, tokens=10):
+        return {
+            "record": "source", "update": update, "rank": 0, "ready_time": ready, "service_start": start,
+            "service_end": end, "tokens": tokens,
+        }  # fmt: skip
+
+    def update(update, close, service, barrier, publication, end):
+        return {
+            "record": "update", "update": update, "rank": 0, "rollout_close": close, "learner_service_s": service,
+            "barrier_s": barrier, "publication_s": publication, "update_end": end,
+        }  # fmt: skip
+
+    records = [
+        source(0, 0.1, 5.0, 8.0),
+        update(0, 4.0, 3.0, 0.5, 0.5, 9.0),  # the warm-up update: left out of every mean
+        source(1, 0.4, 0.5, 1.0),
+        source(1, 1.2, 1.5, 2.5),
+        update(1, 2.0, 1.5, 0.2, 0.3, 3.0),
+        source(2, 1.0, 1.0, 2.0),
+        update(2, 1.5, 1.0, 0.25, 0.25, 2.5),
+    ]
+    (run_dir / "trace" / "trace-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "csv" / "version_0" / "metrics.csv").write_text(
+        "perf/mfu/actor,staleness/max_policy_lag,staleness/mean_policy_lag,step\n"
+        "0.1,,,0\n,0.0,0.0,0\n0.2,1.0,0.5,1\n0.4,,,2\n,1.0,1.0,2\n"
+    )
+
+
+def test_measure_run_accounts_over_the_updates_after_warmup(tmp_path):
+    _write_run(tmp_path / "run")
+    m = measure_run(tmp_path / "run", "async", warmup=1)
+    assert m.updates == 2 and m.step_s == pytest.approx(2.75) and m.mean_reward == pytest.approx(0.75)
+    assert m.mfu == pytest.approx(0.3) and m.max_policy_lag == 1 and m.mean_policy_lag == pytest.approx(0.75)
+    assert m.learner_service_s == pytest.approx(1.25) and m.rollout_close_s == pytest.approx(1.75)
+    assert m.rollout_learner_ratio == pytest.approx(1.4) and m.peak_learner_memory_mb == 321.0
+    # Lanes over 5.5 s of measured wall time: learner busy [0.5, 1], [1.5, 3] and [4, 5.5]; rollout [0, 2], [3, 4.5].
+    assert m.learner_idle == pytest.approx(2.0 / 5.5) and m.rollout_idle == pytest.approx(2.0 / 5.5)
+    # Eqs. 14-15 per measured update: sync ends 4.0 and 3.0, ThunderSync 2.7 and 2.5.
+    assert m.predicted_speedup == pytest.approx(7.0 / 5.2)
+    assert m.speedup_vs_sync is None and "async" in format_table([m])
+
+
+def test_measure_run_needs_updates_after_warmup(tmp_path):
+    _write_run(tmp_path / "run")
+    with pytest.raises(ValueError, match="warmup=3"):
+        measure_run(tmp_path / "run", "sync", warmup=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"schedules": ["sometimes"]}, "sometimes"), ({"updates": 2, "warmup": 2}, "exceed warmup")]
+)
+def test_bench_rejects_bad_arguments_before_running(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench(str(CONFIG), **kwargs)
+
+
+def test_latency_sweep_needs_a_simulated_tool_workload():
+    with pytest.raises(ValueError, match="simulated tool latency"):
+        bench("configs/quickstart.yaml", schedules=["sync"], latency_scales=[2.0])
+
+
+def test_bench_runs_schedules_side_by_side_and_writes_json_and_pictures(tmp_path, capsys):
+    small = [
+        "--warm_start.steps=10",
+        "--model.tiny.hidden_size=128",
+        "--model.tiny.num_attention_heads=2",
+        "--model.tiny.num_hidden_layers=1",
+        "--model.tiny.intermediate_size=128",
+        "--rollout.simulated_tool.median_latency_s=0.01",
+        "--rollout.simulated_tool.max_latency_s=0.05",
+        "--rollout.max_turns=2",
+        "--rollout.max_tokens_per_turn=12",
+    ]
+    out = tmp_path / "bench"
+    cli.main(
+        ["bench", "--config", str(CONFIG), "--schedules", "sync,thundersync", "--updates", "2", "--warmup", "1"]
+        + ["--out_dir", str(out), "--json", str(out / "bench.json"), "--fit_args", json.dumps(small)]
+    )
+    printed = capsys.readouterr().out
+    assert "thundersync" in printed and "predicted-vs-measured.png" in printed
+    sync, streamed = json.loads((out / "bench.json").read_text())
+    assert (sync["schedule"], streamed["schedule"]) == ("sync", "thundersync")
+    assert sync["speedup_vs_sync"] == 1.0 and sync["learner_service_vs_sync"] == 1.0
+    assert streamed["speedup_vs_sync"] == pytest.approx(sync["step_s"] / streamed["step_s"])
+    assert streamed["learner_service_vs_sync"] == pytest.approx(
+        streamed["learner_service_s"] / sync["learner_service_s"]
+    )
+    for m in (sync, streamed):
+        assert m["updates"] == 1 and m["max_policy_lag"] == 0 and m["step_s"] > 0 and m["learner_service_s"] > 0
+        assert 0 <= m["learner_idle"] <= 1 and 0 <= m["rollout_idle"] <= 1 and m["predicted_speedup"] >= 1
+        assert m["peak_learner_memory_mb"] > 0 and (Path(m["out_dir"]) / "trace").is_dir()
+    for name in ("timeline-sync.png", "timeline-thundersync.png", "predicted-vs-measured.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
