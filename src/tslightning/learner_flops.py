@@ -16,13 +16,16 @@ Eq. 10's numerator F_k^train is the model FLOPs the learner needs for update k. 
   matrix products and are not counted.
 
 The learner recomputes each source's full causal context (:mod:`tslightning.scored_logprobs`) and the policy computes
-logits at every position, so a source of T tokens costs :func:`source_flops` ``(shape, T, training)``.
+logits at every position, so a source of T tokens costs :func:`source_flops` ``(shape, T, training)``. The
+boundary-adjoint context backward (App. I) runs each context once instead; its passes are counted by
+:func:`boundary_flops`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 
 import torch
@@ -272,3 +275,106 @@ def source_flops(shape: DecoderShape, tokens: int, training: WeightTraining | No
 def learner_flops(shape: DecoderShape, tokens: int, training: WeightTraining | None = None) -> int:
     """Total credited model FLOPs (forward + backward) of one source of ``tokens`` tokens; see :func:`source_flops`."""
     return source_flops(shape, tokens, training).total
+
+
+# ----------------------------------------------------------------- boundary-adjoint context backward (App. I)
+class BoundaryWork(StrEnum):
+    """The kinds of learner pass of the boundary-adjoint context backward (:mod:`tslightning.boundary_adjoint`)."""
+
+    PREFIX_FORWARD = "prefix_forward"
+    """A GRPO group's shared prompt, forwarded once through the decoder (no LM head, no loss) for its K/V states."""
+    CONTINUATION = "continuation"
+    """A continuation (GRPO) or turn (OPD): forward from cached boundary K/V, LM head, backward of its loss down to
+    the parameters and the boundary K/V."""
+    DEFERRED_BACKWARD = "deferred_backward"
+    """Backward of a retained segment from its K/V outputs with the adjoint later segments accumulated (the GRPO
+    prompt at group close, earlier OPD turns at trajectory close); no forward, no LM head."""
+
+
+@dataclass(frozen=True)
+class BoundaryPass:
+    """One learner pass over ``tokens`` new tokens whose queries attend to ``context_tokens`` cached ones first.
+
+    The attention products therefore have shape ``(tokens × d_head)(d_head × (context_tokens + tokens))``; the context
+    K/V are leaves that take a gradient whenever ``context_tokens > 0``.
+    """
+
+    work: BoundaryWork
+    tokens: int
+    context_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.context_tokens < 0:
+            raise ValueError(f"BoundaryPass token counts must be >= 0; got {self.tokens}, {self.context_tokens}")
+
+
+def _cached_attention_products(
+    shape: DecoderShape, queries: int, keys: int, grad_q: bool, grad_k: bool, grad_v: bool
+) -> FlopCount:
+    """:func:`_attention_products` for ``queries`` attending to ``keys`` (cached context + themselves)."""
+    product = shape.num_heads * matmul_flops(queries, shape.head_dim, keys)
+    grad_p = grad_q or grad_k
+    return FlopCount(2 * product, product * (int(grad_q) + int(grad_k) + int(grad_p) + int(grad_v)))
+
+
+def _cached_layer(
+    shape: DecoderShape, training: WeightTraining, tokens: int, context: int, grad_in: bool
+) -> tuple[FlopCount, bool]:
+    """:func:`_layer` for a segment after ``context`` cached tokens, whose K/V (if any) take a gradient."""
+    normed = grad_in or training.norms_trained
+    count, grads = FlopCount(), {}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        flops, grads[name] = _projection(shape, training, name, tokens, normed)
+        count += flops
+    cached = context > 0  # the cached K/V leaves require grad: dK and dV run over every key
+    count += _cached_attention_products(
+        shape, tokens, context + tokens, grads["q_proj"], grads["k_proj"] or cached, grads["v_proj"] or cached
+    )
+    flops, grad_attn = _projection(shape, training, "o_proj", tokens, any(grads.values()) or cached)
+    count += flops
+    residual = grad_in or grad_attn
+    normed = residual or training.norms_trained
+    gate, grad_gate = _projection(shape, training, "gate_proj", tokens, normed)
+    up, grad_up = _projection(shape, training, "up_proj", tokens, normed)
+    down, grad_down = _projection(shape, training, "down_proj", tokens, grad_gate or grad_up)
+    return count + gate + up + down, residual or grad_down
+
+
+def boundary_pass_flops(shape: DecoderShape, work: BoundaryPass, training: WeightTraining | None = None) -> FlopCount:
+    """Model FLOPs of one pass of the boundary-adjoint context backward, with App. B.1's accounting.
+
+    * ``PREFIX_FORWARD``: the decoder layers' forward over the prompt (the LM head does not run).
+    * ``CONTINUATION``: forward and loss backward as :func:`source_flops`, with attention products over
+      ``context_tokens + tokens`` keys; with ``context_tokens == 0`` it equals :func:`source_flops` ``(tokens)``.
+    * ``DEFERRED_BACKWARD``: backward only, from the segment's K/V outputs: every layer but the last in full (its
+      output feeds later layers' K/V), and the last layer's K and V projections.
+    """
+    training = training or WeightTraining.full()
+    grad = training.embeddings_trained
+    count = FlopCount()
+    layers = []
+    for _ in range(shape.num_layers):
+        layer, next_grad = _cached_layer(shape, training, work.tokens, work.context_tokens, grad)
+        layers.append((layer, grad))
+        count += layer
+        grad = next_grad
+    if work.work is BoundaryWork.PREFIX_FORWARD:
+        return FlopCount(count.forward, 0)
+    if work.work is BoundaryWork.CONTINUATION:
+        head, _ = _projection(shape, training, "lm_head", work.tokens, grad or training.norms_trained)
+        return count + head
+    backward = sum(layer.backward for layer, _ in layers[:-1])
+    last_grad_in = layers[-1][1] or training.norms_trained
+    for name in ("k_proj", "v_proj"):
+        backward += _projection(shape, training, name, work.tokens, last_grad_in)[0].backward
+    return FlopCount(0, backward)
+
+
+def boundary_flops(
+    shape: DecoderShape, passes: Iterable[BoundaryPass], training: WeightTraining | None = None
+) -> FlopCount:
+    """Total model FLOPs of a sequence of boundary-adjoint passes (e.g. one GRPO group or one OPD trajectory)."""
+    total = FlopCount()
+    for work in passes:
+        total += boundary_pass_flops(shape, work, training)
+    return total

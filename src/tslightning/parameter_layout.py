@@ -19,6 +19,8 @@ class ParameterLayout:
         if not self.parameters:
             raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to stream")
         self.numel = sum(p.numel() for p in self.parameters)
+        self.shapes: list[torch.Size] = [p.shape for p in self.parameters]
+        """Full shapes, recorded before any sharding strategy (ZeRO-3, FSDP) partitions the parameters."""
         self._slices: list[slice] = []
         offset = 0
         for p in self.parameters:
@@ -38,6 +40,10 @@ class ParameterLayout:
         """Set every parameter's ``.grad`` to ``scale * flat[its slice]`` in the parameter's dtype and device."""
         for p, s in zip(self.parameters, self._slices, strict=True):
             p.grad = (flat[s] * scale).view_as(p).to(device=p.device, dtype=p.dtype)
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` in :attr:`parameters` order, each in its parameter's full shape."""
+        return [flat[s].view(shape) for s, shape in zip(self._slices, self.shapes, strict=True)]
 
     def read_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """The parameters' current ``.grad`` as one flat vector (zeros where a grad is None)."""

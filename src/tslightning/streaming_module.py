@@ -9,7 +9,9 @@ computes the whole batch at the barrier with one padded, batched objective — t
 
 All gradients are taken at the fixed snapshot θ_k: nothing mutates parameters between :meth:`begin_batch` and the
 barrier. Context gradients are exact because every source recomputes its full causal context (prompt and earlier
-turns); learner cost per source is one forward and backward over all of ``token_ids``.
+turns); learner cost per source is one forward and backward over all of ``token_ids``. With
+``context_backward="boundary"`` (thundersync) each context runs once instead and later sources' boundary adjoints
+are back-propagated through it when its group or trajectory closes (App. I, :mod:`tslightning.boundary_adjoint`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from tslightning.advantages import (
     is_uniform,
 )
 from tslightning.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
 from tslightning.group_accumulator import GroupAccumulator, GroupReduction
 from tslightning.group_admission import GroupAdmission
 from tslightning.parameter_layout import ParameterLayout
+from tslightning.rank_failure import agree_to_step, reported_to_ranks
 from tslightning.scored_logprobs import batched_scored_logprobs, scored_logprobs
 from tslightning.sources import (
     BatchClosed,
@@ -45,10 +49,12 @@ from tslightning.sources import (
     Source,
     SourceError,
     StreamItem,
+    TrajectoryClosed,
     TrajectorySource,
     TurnSource,
 )
 from tslightning.turn_accumulator import TurnAccumulator
+from tslightning.zero_gradients import backward_direction, clip_coefficient, deepspeed_fabric
 
 
 class Schedule(StrEnum):
@@ -132,6 +138,10 @@ class StreamingPolicyModule(L.LightningModule):
         max_policy_lag: How many versions a batch's sampling policy may trail the learner's θ_k: 0 for the
             zero-staleness schedules; 1 for one-step-off ``async`` (sampled from θ_{k−1}, evaluated at θ_k without
             importance correction, App. D.4).
+        context_backward: How a source's gradient reaches its causal context under ``thundersync``: ``recompute``
+            (each source runs its whole ``token_ids``) or ``boundary`` (a GRPO group's prompt and an OPD
+            trajectory's earlier turns run once; boundary adjoints are back-propagated when the group or trajectory
+            closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
     """
 
     def __init__(
@@ -147,6 +157,7 @@ class StreamingPolicyModule(L.LightningModule):
         accumulator_dtype: torch.dtype | None = None,
         sync_micro_batch_size: int = 8,
         max_policy_lag: int = 0,
+        context_backward: ContextBackward = ContextBackward.RECOMPUTE,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -171,6 +182,17 @@ class StreamingPolicyModule(L.LightningModule):
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
         self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
         self.turns = TurnAccumulator(self.layout, dtype)
+        self.context_backward = ContextBackward(context_backward)
+        if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
+            raise ValueError(
+                f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
+                f"{self.schedule.value!r} schedule is the recompute baseline (use context_backward='recompute')"
+            )
+        boundary = self.context_backward is ContextBackward.BOUNDARY
+        self.shared_prompts = SharedPromptBackward(policy, self.layout.parameters, dtype) if boundary else None
+        """GRPO shared-prefix backward (``context_backward="boundary"``): prompt graphs of open groups."""
+        self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype) if boundary else None
+        """OPD turn-boundary backward (``context_backward="boundary"``): turn graphs of open trajectories."""
         self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
         self.last_direction: torch.Tensor | None = None
         self.last_update: UpdateResult | None = None
@@ -215,6 +237,9 @@ class StreamingPolicyModule(L.LightningModule):
         self._registry = BatchRegistry(plan)
         self.service_log = []
         self.update_timings = {"learner_service_s": 0.0}
+        for boundary in (self.shared_prompts, self.turn_boundaries):
+            if boundary is not None:
+                boundary.reset()  # its pass ledger, like service_log, describes the last update until now
 
     def ingest(self, item: StreamItem | BatchPlan) -> None:
         """Accept one ready source or completion event; under ``thundersync`` its learner work runs now.
@@ -228,6 +253,11 @@ class StreamingPolicyModule(L.LightningModule):
         registry.check(item)
         if isinstance(item, TrajectorySource | TurnSource):
             self._check_token_range(item)
+        ready_turns = [item] if isinstance(item, TurnSource) else []
+        if isinstance(item, TrajectorySource) and self.shared_prompts is not None:
+            self.shared_prompts.admit(item)  # refuses a trajectory outside its group's prompt
+        elif isinstance(item, TurnSource) and self.turn_boundaries is not None:
+            ready_turns = self.turn_boundaries.admit(item)  # turn j runs after turn j−1, whose states it continues
         registry.record(item)
         if isinstance(item, TrajectorySource | TurnSource):
             self._num_sources += 1
@@ -236,7 +266,10 @@ class StreamingPolicyModule(L.LightningModule):
             if isinstance(item, TrajectorySource | TurnSource):
                 self._held_sources.append(item)  # the batch-synchronous learner starts at the barrier
         elif isinstance(item, TurnSource):
-            self._serve([item], lambda: self._fold_turn(item))
+            for turn in ready_turns:
+                self._serve([turn], lambda turn=turn: self._fold_turn(turn))
+        elif isinstance(item, TrajectoryClosed) and self.turn_boundaries is not None:
+            self._serve([], lambda: self._replay_turn_adjoints(item))
         elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
             self._admit_grpo(item)
 
@@ -247,6 +280,8 @@ class StreamingPolicyModule(L.LightningModule):
             admitted = work.popleft()
             if isinstance(admitted, GroupClosed):
                 self._reductions.append(self.groups.close(admitted.group_id))
+                if self.shared_prompts is not None:
+                    self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
                 work.extend(self.admission.release(admitted.group_id))
             else:
                 self._serve([admitted], lambda source=admitted: self._fold_trajectory(source))
@@ -263,24 +298,35 @@ class StreamingPolicyModule(L.LightningModule):
         Raises:
             SourceError: if any registered trajectory, group or the batch is still open.
             FloatingPointError: if the batch direction is not finite (no step is taken).
+            RankFailureError: (several ranks) if any rank's local work failed or a rank did not reach the barrier
+                within the process group's timeout; no rank steps.
         """
         registry = self._require_registry()
-        registry.require_complete()
         barrier_start = time.perf_counter()
-        if self.schedule is Schedule.SYNC:
-            self._compute_sync_direction(registry.plan)
+        with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
+            registry.require_complete()
+            if self.schedule is Schedule.SYNC:
+                self._compute_sync_direction(registry.plan)
+        agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
         norm = float(torch.linalg.vector_norm(direction))
         if not math.isfinite(norm):
             raise FloatingPointError(
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
             )
-        self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
+        zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
+        if zero is None:
+            self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
         if before_step is not None:
             before_step()
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
-        applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype)))
+        if zero is not None:
+            coefficient = clip_coefficient(norm, self.max_grad_norm)
+            backward_direction(zero, self, self.layout, direction, scale=-coefficient)
+            applied = coefficient * norm
+        else:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
+            applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
@@ -336,18 +382,33 @@ class StreamingPolicyModule(L.LightningModule):
     def _fold_trajectory(self, source: TrajectorySource) -> None:
         """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1); fold into its group's G1/G2 (Eq. 7)."""
         plan = self._registry.plan
-        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
-        score = logp.sum() / (plan.num_prompts * source.num_scored)
-        grads = torch.autograd.grad(score, self.layout.parameters, allow_unused=True)
-        grads = self._fill_unused(grads)
+        if self.shared_prompts is not None:  # the continuation's part; the prompt's follows at group close
+            grads = self.shared_prompts.source_gradient(source, 1.0 / (plan.num_prompts * source.num_scored))
+        else:
+            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+            score = logp.sum() / (plan.num_prompts * source.num_scored)
+            grads = self._fill_unused(torch.autograd.grad(score, self.layout.parameters, allow_unused=True))
         self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+
+    def _fold_prompt(self, reduction: GroupReduction) -> None:
+        """The prompt part of a closed group's g_G, one backward of its combined boundary adjoint (App. I)."""
+        grads = self.shared_prompts.close_group(reduction)
+        if grads is not None:  # None: a uniform-reward group, or a one-token prompt
+            self.layout.add_(self.groups.batch, grads)
 
     def _fold_turn(self, source: TurnSource) -> None:
         """g_j = Σ_t A_{j,t} ∇ log π_θ(a_{j,t}|h_{j,t}) with A detached (Eq. 8); unnormalized until the barrier."""
+        if self.turn_boundaries is not None:  # the turn's own tokens; earlier turns' part follows at trajectory close
+            self.turns.add(self.turn_boundaries.turn_gradient(source), source.num_scored)
+            return
         logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         grads = torch.autograd.grad((advantage * logp).sum(), self.layout.parameters, allow_unused=True)
         self.turns.add(self._fill_unused(grads), source.num_scored)
+
+    def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
+        """A closed trajectory's deferred context gradient: boundary adjoints replayed through earlier turns."""
+        self.turns.add(self.turn_boundaries.close_trajectory(closed.group_id, closed.trajectory_index), 0)
 
     # ----------------------------------------------------------------- batch-synchronous learner work (sync)
     def _compute_sync_direction(self, plan: BatchPlan) -> None:

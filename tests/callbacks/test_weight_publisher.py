@@ -121,3 +121,14 @@ def test_hf_engine_serves_the_updated_policy(tmp_path):
     served = torch.tensor(generation.logprobs)
     torch.testing.assert_close(served, rescore(policy, prompt, generation.token_ids), atol=ENGINE_ATOL, rtol=0)
     assert (served - rescore(theta0_policy, prompt, generation.token_ids)).abs().max() > 1e-3
+
+
+def test_every_rank_publication_on_one_rank_publishes_and_raises_its_own_failure():
+    """``every_rank`` (rank-aware rollout) on one process; the two-rank case runs in test_multirank.py."""
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    engine = FakeEngine()
+    WeightPublisher(engine, every_rank=True).on_train_batch_end(fabric, stub_module(1), None, BatchClosed(0), 0)
+    assert [version for version, _ in engine.published] == [1]
+    failing = WeightPublisher(FakeEngine(version_offset=1), every_rank=True)
+    with pytest.raises(RolloutEngineError, match="acknowledged version 3"):
+        failing.on_train_batch_end(fabric, stub_module(2), None, BatchClosed(1), 1)

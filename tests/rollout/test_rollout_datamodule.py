@@ -157,3 +157,53 @@ def test_train_dataloader_yields_consecutive_updates(tokenizer):
     plans = [i for i in items if isinstance(i, BatchPlan)]
     assert len(plans) == 2 and sum(isinstance(i, BatchClosed) for i in items) == 2
     assert Objective(plans[0].objective) is Objective.GRPO
+
+
+def _sources(items):
+    return {
+        (i.group_id, i.trajectory_index, getattr(i, "turn_index", None)): i for i in items if hasattr(i, "token_ids")
+    }
+
+
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_each_rank_rolls_out_only_its_share_with_the_global_prompt_count(tokenizer, make_policy, teacher64, objective):
+    """Two learner ranks split a batch (GRPO: whole groups; OPD: whole trajectories) and together hold exactly the
+    single-rank batch; OPD's per-rank sums over the global N_k give the single-rank direction."""
+    teacher = TeacherScorer(teacher64) if objective == "opd" else None
+    try:
+        whole = list(datamodule(tokenizer, objective, teacher).stream_update(0))
+        shares = [
+            list(datamodule(tokenizer, objective, teacher, rank=r, world_size=2).stream_update(0)) for r in (0, 1)
+        ]
+    finally:
+        if teacher:
+            teacher.close()
+    plans = [share[0] for share in shares]
+    assert all(plan.num_prompts == 2 for plan in plans)  # w = 1/(P·L_i) keeps the global P
+    mine = [_sources(share) for share in shares]
+    assert mine[0] and mine[1] and not set(mine[0]) & set(mine[1])
+    assert set(mine[0]) | set(mine[1]) == set(_sources(whole))
+    for key, source in {**mine[0], **mine[1]}.items():
+        assert torch.equal(source.token_ids, _sources(whole)[key].token_ids)
+    if objective == "grpo":
+        assert [len(p.group_sizes) for p in plans] == [1, 1] and all(p.trajectories is None for p in plans)
+        return
+    owners = {(g, i): r for r, share in enumerate(mine) for (g, i, _) in share}
+    assert sum(plan.num_trajectories for plan in plans) == 6 and len(owners) == 6
+    sums, tokens = [], []
+    for share in [whole, *shares]:
+        module = StreamingPolicyModule(make_policy(), objective="opd")
+        optimizer = module.configure_optimizers()
+        for item in share:
+            module.ingest(item)
+        result = module.barrier(optimizer)  # one process: each share normalizes by its own N
+        sums.append(module.last_direction * result.num_scored_tokens)
+        tokens.append(result.num_scored_tokens)
+    assert tokens[0] == tokens[1] + tokens[2]
+    combined = (sums[1] + sums[2]) / tokens[0]
+    assert float((combined - sums[0] / tokens[0]).norm() / (sums[0] / tokens[0]).norm()) <= 1e-10
+
+
+def test_rank_outside_the_world_is_reported(tokenizer):
+    with pytest.raises(ValueError, match="rank must be in"):
+        datamodule(tokenizer, rank=2, world_size=2)

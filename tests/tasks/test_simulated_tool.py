@@ -51,6 +51,17 @@ def test_attempts_are_seeded_by_task_and_ordinal_and_vary_between_them():
     assert a0.verify() == gauge_reward(3, task.target_calls)
 
 
+def test_attempt_sigma_spreads_whole_attempts():
+    task = simulated_tasks(settings())[0]
+    spread = SimulatedToolEnvironment(settings(latency_sigma=0.0, attempt_latency_sigma=1.0))
+    scales = [spread(task).latency_scale for _ in range(20)]
+    assert min(scales) < 0.6 and max(scales) > 1.6
+    attempt = spread(task)
+    attempt.run_command(GAUGE_COMMAND)
+    assert attempt.tool_seconds == pytest.approx(min(0.05, 0.002 * attempt.latency_scale))
+    assert SimulatedToolEnvironment(settings())(task).latency_scale == 1.0
+
+
 def test_a_call_sleeps_its_latency_within_the_cap():
     attempt = SimulatedToolEnvironment(settings(median_latency_s=0.02, latency_sigma=0.0, max_latency_s=0.02))(
         simulated_tasks(settings())[0]

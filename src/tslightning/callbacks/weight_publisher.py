@@ -24,19 +24,22 @@ class WeightPublisher(L.Callback):
     """After each update, publishes the trainable policy's full weights at the module's new policy version.
 
     The engine lives with global rank 0, which publishes; the outcome is then broadcast, so every rank waits for the
-    acknowledgement and fails together if publication failed. Records ``module.update_timings["publication_s"]`` and
-    logs ``timing_s/update_weights`` at step k.
+    acknowledgement and fails together if publication failed. With ``every_rank=True`` (rank-aware rollout: each
+    learner rank drives its own engine) every rank publishes to its engine and the outcomes are all-reduced. Records
+    ``module.update_timings["publication_s"]`` and logs ``timing_s/update_weights`` at step k.
 
     Args:
         engine: The rollout engine; its ``publish`` returns after every replica acknowledged.
         timeout_s: Seconds to wait for the acknowledgement before failing; ``None`` waits as long as the engine does.
+        every_rank: Each learner rank has its own engine (it rolls out its own groups) and publishes to it.
     """
 
-    def __init__(self, engine: RolloutEngine, timeout_s: float | None = None) -> None:
+    def __init__(self, engine: RolloutEngine, timeout_s: float | None = None, every_rank: bool = False) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"WeightPublisher: timeout_s must be > 0 or None; got {timeout_s}")
         self.engine = engine
         self.timeout_s = timeout_s
+        self.every_rank = every_rank
         self.published_version: int | None = None
         self.publications = 0
 
@@ -62,7 +65,10 @@ class WeightPublisher(L.Callback):
             return
         version = pl_module.policy_version
         start = time.perf_counter()
-        self._publish_from_rank_zero(trainer, pl_module.policy, version)
+        if self.every_rank:
+            self._publish_from_every_rank(trainer, pl_module.policy, version)
+        else:
+            self._publish_from_rank_zero(trainer, pl_module.policy, version)
         seconds = time.perf_counter() - start
         pl_module.update_timings["publication_s"] = seconds
         self.published_version = version
@@ -85,6 +91,20 @@ class WeightPublisher(L.Callback):
             raise error
         if failure is not None:
             raise RolloutEngineError(f"global rank 0 failed to publish θ_{version}: {failure}")
+
+    def _publish_from_every_rank(self, trainer: L.Trainer | L.Fabric, policy: torch.nn.Module, version: int) -> None:
+        """Every rank publishes to its own engine; every rank raises if any of them failed."""
+        error = None
+        try:
+            self._publish(policy, version)
+        except Exception as exc:
+            error = exc
+        # The all-reduce is also the sync point: no rank starts batch k+1 before every engine acknowledged θ_{k+1}.
+        failed = trainer.strategy.all_reduce(torch.tensor([float(error is not None)]), reduce_op="sum")
+        if error is not None:
+            raise error
+        if float(failed.sum()) > 0:
+            raise RolloutEngineError(f"{int(failed.sum())} learner rank(s) failed to publish θ_{version}")
 
     def _publish(self, policy: torch.nn.Module, version: int) -> PublishReceipt:
         weights = publishable_state_dict(policy)

@@ -23,6 +23,7 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from tslightning.batch_registry import BatchPlan, Objective
+from tslightning.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.teacher import TeacherScorer
@@ -74,6 +75,9 @@ class RolloutDataModule(L.LightningDataModule):
         run_seed: Seeds task order and sampling.
         updates: How many updates ``train_dataloader`` yields (``None``: until stopped).
         max_concurrent_attempts: Attempts in flight at once (tools and generation of the others overlap).
+        rank: This learner rank's global rank: it rolls out only the groups (GRPO) or trajectories (OPD) that
+            :mod:`tslightning.rank_assignment` gives it, with its own engine, and registers only those.
+        world_size: Learner ranks sharing each logical batch of ``prompts_per_update`` prompts.
     """
 
     def __init__(
@@ -90,6 +94,8 @@ class RolloutDataModule(L.LightningDataModule):
         run_seed: int = 0,
         updates: int | None = None,
         max_concurrent_attempts: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         super().__init__()
         self.objective = Objective(objective)
@@ -102,6 +108,8 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append("objective 'opd' needs a teacher (TeacherScorer) to score turns")
         if max_concurrent_attempts < 1:
             problems.append("max_concurrent_attempts must be >= 1")
+        if not 0 <= rank < world_size:
+            problems.append(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
         if problems:
             raise ValueError("RolloutDataModule: " + "; ".join(problems))
         self.engine = engine
@@ -114,6 +122,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.run_seed = run_seed
         self.updates = updates
         self.max_concurrent_attempts = max_concurrent_attempts
+        self.rank = rank
+        self.world_size = world_size
+        self.tokenizer = tokenizer
         self.ready_log: list[ReadyRecord] = []
         self.trajectories: dict[int, list[AgentTrajectory]] = {}
         self.dropped_groups = 0
@@ -126,11 +137,30 @@ class RolloutDataModule(L.LightningDataModule):
         slots = range(update * self.prompts_per_update, (update + 1) * self.prompts_per_update)
         return [self._task_for_slot(slot) for slot in slots]
 
+    def share_with(self, rank: int, world_size: int) -> None:
+        """Roll out only learner rank ``rank``'s share of each batch from now on (``fit`` calls this once Fabric has
+        launched the ranks)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"RolloutDataModule: rank must be in [0, world_size); got {rank=}, {world_size=}")
+        self.rank, self.world_size = rank, world_size
+
+    def rank_plan(self, plan: BatchPlan, tasks: dict[str, RolloutTask]) -> BatchPlan:
+        """This rank's share of the whole-batch ``plan``, balanced by expected tokens: each trajectory's prompt
+        (the task instruction) plus its token budget ``max_tokens_per_trajectory``; the plan keeps the global P."""
+        if self.world_size == 1:
+            return plan
+        budget = self.agent.limits.max_tokens_per_trajectory
+        per_trajectory = {g: len(self.tokenizer.encode(task.instruction)) + budget for g, task in tasks.items()}
+        costs = {(g, i): per_trajectory[g] * (self.samples_per_prompt if i is None else 1) for g, i in units_of(plan)}
+        return RankAssignment.balanced(plan, costs, self.world_size).rank_plan(self.rank)
+
     def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
         """Run update ``update``'s rollouts; yield its plan, then items in readiness order, ending with BatchClosed."""
         version = self.engine.policy_version
         tasks = {f"u{update}/p{p}/{task.task_id}": task for p, task in enumerate(self.tasks_for_update(update))}
-        yield BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks})
+        plan = self.rank_plan(BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks}), tasks)
+        tasks = {g: (tasks[g], sorted(plan.trajectory_indices(g))) for g in plan.group_sizes}  # this rank's share
+        yield plan
         ready: queue.Queue = queue.Queue()
         start = self.update_starts[update] = time.perf_counter()
         producer = threading.Thread(
@@ -159,6 +189,8 @@ class RolloutDataModule(L.LightningDataModule):
         """
         if self.objective is not Objective.GRPO:
             raise ValueError("fully_async supports objective 'grpo' (OPD turn streaming needs the barrier per batch)")
+        if self.world_size > 1:
+            raise ValueError("fully_async runs on one learner rank (its batches are the first P groups to complete)")
         capacity = threading.Semaphore((staleness_bound + 1) * self.prompts_per_update)
         completed: queue.Queue = queue.Queue()
         total = (updates + staleness_bound + 1) * self.prompts_per_update
@@ -252,14 +284,12 @@ class RolloutDataModule(L.LightningDataModule):
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
 
-        async def group(group_id: str, task: RolloutTask) -> list[AgentTrajectory]:
-            members = await asyncio.gather(
-                *(self._attempt(update, group_id, task, i, gate, emit) for i in range(self.samples_per_prompt))
-            )
+        async def group(group_id: str, task: RolloutTask, indices: list[int]) -> list[AgentTrajectory]:
+            members = await asyncio.gather(*(self._attempt(update, group_id, task, i, gate, emit) for i in indices))
             emit(GroupClosed(group_id))
             return members
 
-        groups = await asyncio.gather(*(group(g, task) for g, task in tasks.items()))
+        groups = await asyncio.gather(*(group(g, task, indices) for g, (task, indices) in tasks.items()))
         return [t for members in groups for t in members]
 
     async def _attempt(

@@ -35,7 +35,8 @@ GAUGE_COMMAND = "read-gauge"
 class SimulatedToolSettings:
     """The simulated environment of a benchmark workload.
 
-    Latency is log-normal: ``median_latency_s · exp(sigma · z)`` with z standard normal, capped at
+    A call's latency is log-normal, ``median_latency_s · exp(attempt_latency_sigma · z_a + latency_sigma · z_c)``
+    with z_a drawn once per attempt (a slow or fast environment) and z_c per call, both standard normal, capped at
     ``max_latency_s``; multiply ``median_latency_s`` to sweep the rollout/learner ratio.
     """
 
@@ -46,7 +47,9 @@ class SimulatedToolSettings:
     median_latency_s: float = 0.2
     """Median seconds one tool call takes."""
     latency_sigma: float = 0.6
-    """Log-normal shape: 0 gives every call the median latency; 1 gives a heavy tail."""
+    """Per-call log-normal shape: 0 gives every call the median latency; 1 gives a heavy tail."""
+    attempt_latency_sigma: float = 0.0
+    """Per-attempt log-normal shape: spreads whole trajectories' durations (and so their ready times)."""
     max_latency_s: float = 5.0
     """Cap on one call's latency (the tool timeout)."""
     min_reading_chars: int = 8
@@ -61,8 +64,8 @@ class SimulatedToolSettings:
         for name in ("num_tasks", "max_calls", "min_reading_chars"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.median_latency_s < 0 or self.latency_sigma < 0:
-            problems.append("median_latency_s and latency_sigma must be >= 0")
+        if self.median_latency_s < 0 or self.latency_sigma < 0 or self.attempt_latency_sigma < 0:
+            problems.append("median_latency_s, latency_sigma and attempt_latency_sigma must be >= 0")
         if self.max_latency_s < self.median_latency_s:
             problems.append(f"max_latency_s ({self.max_latency_s}) must be >= median_latency_s")
         if self.max_reading_chars < self.min_reading_chars:
@@ -142,6 +145,8 @@ class SimulatedToolAttempt:
         self.commands = 0
         """Commands run so far (the call index that seeds each latency)."""
         self.tool_seconds = 0.0
+        self.latency_scale = math.exp(settings.attempt_latency_sigma * self._rng(-1).gauss(0.0, 1.0))
+        """This attempt's latency multiplier exp(attempt_latency_sigma · z_a)."""
 
     def run_command(self, command: str) -> GaugeOutcome:
         """Sleep the call's latency; a gauge read returns a reading, any other command fails with exit code 127."""
@@ -177,7 +182,8 @@ class SimulatedToolAttempt:
 
     def _latency(self, rng: random.Random) -> float:
         s = self.settings
-        return min(s.max_latency_s, s.median_latency_s * math.exp(s.latency_sigma * rng.gauss(0.0, 1.0)))
+        scale = self.latency_scale * math.exp(s.latency_sigma * rng.gauss(0.0, 1.0))
+        return min(s.max_latency_s, s.median_latency_s * scale)
 
 
 class SimulatedToolEnvironment:

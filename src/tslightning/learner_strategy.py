@@ -1,0 +1,88 @@
+"""Learner ranks for ``tslightning fit``: devices, nodes and the Fabric strategy that connects them.
+
+Every learner rank rolls out its own share of each logical batch (:mod:`tslightning.rank_assignment`) with its own
+rollout engine, streams those sources, and meets the other ranks at the barrier, where the batch direction is
+all-reduced (Eq. 3). A rank that fails, dies or hangs fails the update on every rank
+(:mod:`tslightning.rank_failure`) within ``timeout_s``.
+
+Launching several ranks (Fabric's launchers; every rank runs the same command line):
+
+* One machine: ``tslightning fit --config C --learner.devices 2 --learner.strategy ddp``. Fabric re-runs the
+  command line for ranks 1..devices−1 (on CPU over gloo, on GPUs over NCCL).
+* torchrun: ``torchrun --nnodes N --nproc-per-node D --rdzv-endpoint HOST:PORT -m tslightning.cli fit --config C
+  --learner.devices D --learner.num_nodes N --learner.strategy ddp`` on every node; Fabric reads the ranks from
+  torchrun's environment.
+* SLURM: ``srun --nodes N --ntasks-per-node D tslightning fit --config C --learner.devices D --learner.num_nodes N
+  --learner.strategy ddp`` inside an ``sbatch`` allocation; Fabric's SLURM environment reads ``SLURM_PROCID`` etc.
+
+Strategies: ``ddp`` (replicated parameters) and ``deepspeed_stage_2`` (ZeRO-2: partitioned optimizer state and
+gradients; the direction reaches them through :mod:`tslightning.zero_gradients`; float32 at most — DeepSpeed has no
+float64 model dtype) stream exactly on several ranks. ``fsdp`` and ``deepspeed_stage_3`` shard the parameters and
+gather them in every forward with a collective all ranks must enter together, which per-rank streaming (ranks run
+different numbers of per-source forwards, in their own readiness order) cannot provide; they are constructed here
+but ``fit`` refuses them with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
+_SHARDED_PARAMETERS = ("fsdp", "deepspeed_stage_3")
+
+
+@dataclass
+class LearnerSettings:
+    """Learner ranks: ``devices`` per node × ``num_nodes``, connected by ``strategy``."""
+
+    devices: int = 1
+    """Learner ranks per node (processes; one GPU each on GPUs)."""
+    num_nodes: int = 1
+    """Nodes; launch one process per device on each (torchrun or SLURM, see the module docstring)."""
+    strategy: StrategyName = "auto"
+    """``auto`` (one rank: no strategy; several: ``ddp``), ``ddp``, ``deepspeed_stage_2`` (also on CPU, over gloo);
+    ``fsdp`` and ``deepspeed_stage_3`` are refused (they gather parameters in every forward in lock-step)."""
+    timeout_s: float = 1800.0
+    """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    def problems(self, schedule: str) -> list[str]:
+        """Everything wrong with these settings for ``schedule``, each naming the key and the fix."""
+        problems = []
+        if self.devices < 1 or self.num_nodes < 1:
+            problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
+        if not self.timeout_s > 0:
+            problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
+        if self.strategy in _SHARDED_PARAMETERS:
+            problems.append(
+                f"learner.strategy {self.strategy!r} gathers the sharded parameters in every forward, a collective all "
+                "ranks must enter together, but each rank streams its own sources; use ddp or deepspeed_stage_2"
+            )
+        if self.world_size > 1 and schedule == "fully_async":
+            problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
+        return problems
+
+
+def learner_strategy(settings: LearnerSettings, accelerator: str):
+    """The Fabric strategy for ``settings`` on ``accelerator`` (a name Fabric accepts, or a strategy object)."""
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    timeout = timedelta(seconds=settings.timeout_s)
+    on_cpu = accelerator == "cpu"
+    if settings.strategy == "auto" and settings.world_size == 1:
+        return "auto"
+    if settings.strategy in ("auto", "ddp"):
+        return DDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
+    if settings.strategy == "fsdp":
+        return FSDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
+    stage = 2 if settings.strategy == "deepspeed_stage_2" else 3
+    if on_cpu:
+        from tslightning.deepspeed_cpu import CPUDeepSpeedStrategy
+
+        return CPUDeepSpeedStrategy(stage=stage, timeout=timeout)
+    return DeepSpeedStrategy(stage=stage, timeout=timeout)
