@@ -51,10 +51,7 @@ def test_print_config_shows_the_resolved_values(capsys):
 def test_extra_callbacks_take_class_path_and_init_args(tmp_path):
     config = tmp_path / "extra.yaml"
     config.write_text(
-        "callbacks:\n"
-        "  - class_path: tslightning.callbacks.StalenessMonitor\n"
-        "    init_args:\n"
-        "      max_policy_lag: 2\n"
+        "callbacks:\n  - class_path: tslightning.callbacks.StalenessMonitor\n    init_args:\n      max_policy_lag: 2\n"
     )
     parsed = parser().parse_args(["--config", "configs/quickstart.yaml", "--config", str(config)])
     init = parser().instantiate_classes(parsed)

@@ -190,6 +190,17 @@ def test_exactly_one_optimizer_step_per_logical_batch(make_policy, vocab_size, s
     assert steps[0] == 3 and module.num_optimizer_steps == 3 and module.policy_version == 3
 
 
+def test_sync_micro_batches_hold_sequences_of_similar_length(make_policy, vocab_size):
+    """The baseline sorts sources by length before padding them together, so it is not slowed by padding."""
+    module = StreamingPolicyModule(make_policy(), schedule="sync", sync_micro_batch_size=2)
+    batch = grpo_batch(vocab_size, seed=3)
+    ingest_all(module, batch.stream())
+    module.barrier(module.configure_optimizers())
+    lengths = [record.tokens for record in module.service_log]
+    assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1
+    assert len({(r.start, r.end) for r in module.service_log}) == math.ceil(len(lengths) / 2)
+
+
 # --------------------------------------------------------------------------- 2. clipping
 def _sgd_update(make_policy, batch: ReplayBatch, max_grad_norm: float):
     """One update with SGD(lr=1): θ_{k+1} − θ_k = clip(g_k). Also records the .grad the optimizer saw."""

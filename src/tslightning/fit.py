@@ -97,7 +97,7 @@ class RolloutSettings:
     """Most requests one ``hf`` replica decodes together (smaller batches return sooner, in staggered waves)."""
     cpus: list[int] | None = None
     """CPU cores the rollout replicas run on (``hf`` engine; ``None``: anywhere). Give the learner other cores
-    (``learner_cpus``) so rollout and learner do not compete, as on separate GPUs."""
+    (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
     environment: Literal["terminal", "simulated_tool"] = "terminal"
     """``terminal``: sandboxed terminal tasks; ``simulated_tool``: the benchmark's gauge tasks, whose tool calls
     sleep a seeded latency (:mod:`tslightning.tasks.simulated_tool`; ``tasks`` and ``split`` do not apply)."""
@@ -173,6 +173,7 @@ def fit(
     advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
     max_grad_norm: float = 1.0,
     group_admission_cap: int | None = None,
+    context_backward: Literal["recompute", "boundary"] = "recompute",
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
@@ -180,7 +181,6 @@ def fit(
     staleness_bound: int = 1,
     accelerator: str = "cpu",
     learner: LearnerSettings = LearnerSettings(),  # noqa: B008
-    learner_cpus: list[int] | None = None,
     progress: bool = True,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
@@ -202,6 +202,9 @@ def fit(
         advantage: GRPO advantage estimator.
         max_grad_norm: Global-norm clipping of the batch direction.
         group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
+        context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
+            runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
+            boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
         available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
             table has no entry; on GPUs ``None`` reads Lightning's table.
         checkpoint: When and where checkpoints are written.
@@ -212,11 +215,14 @@ def fit(
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
             own share of every batch. Launching on several nodes: see :mod:`tslightning.learner_strategy`.
-        learner_cpus: CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with
-            ``rollout.cpus`` this places rollout and learner on separate cores, as the benchmark does.
         progress: Show a progress bar.
     """
     _check_resume(resume, schedule)
+    if context_backward == "boundary" and schedule != "thundersync":
+        raise ValueError(
+            f"context_backward 'boundary' streams context adjoints under schedule thundersync; schedule {schedule!r} "
+            "runs the recompute learner (set context_backward: recompute)"
+        )
     problems = learner.problems(schedule)
     if problems:
         raise ValueError("fit: " + "; ".join(problems))
@@ -224,7 +230,7 @@ def fit(
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_resolved_config(locals()), indent=2, default=str))
     torch.manual_seed(seed)
-    _place_learner(learner_cpus)
+    _place_learner(learner.cpus)
 
     tasks = _training_tasks(rollout)
     policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
@@ -273,6 +279,7 @@ def fit(
         group_admission_cap=group_admission_cap,
         optimizer=optimizer,
         max_policy_lag=lag,
+        context_backward=context_backward,
     )
     # The loop calls the module itself, not Fabric's wrapper: per-source forwards bypass DDP's (the barrier reduces).
     _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
@@ -458,7 +465,7 @@ def _place_learner(cpus: list[int] | None) -> None:
     if cpus is None:
         return
     if not cpus:
-        raise ValueError("learner_cpus is empty; list at least one core, or null to leave placement alone")
+        raise ValueError("learner.cpus is empty; list at least one core, or null to leave placement alone")
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
 

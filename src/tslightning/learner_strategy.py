@@ -46,6 +46,9 @@ class LearnerSettings:
     ``fsdp`` and ``deepspeed_stage_3`` are refused (they gather parameters in every forward in lock-step)."""
     timeout_s: float = 1800.0
     """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
+    cpus: list[int] | None = None
+    """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
+    places rollout and learner on separate cores, as the CPU benchmark does."""
 
     @property
     def world_size(self) -> int:

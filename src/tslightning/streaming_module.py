@@ -134,7 +134,8 @@ class StreamingPolicyModule(L.LightningModule):
         group_admission_cap: Per-rank cap k on GRPO groups holding statistics (App. D.3); ``None`` for no cap.
         optimizer: AdamW settings used by :meth:`configure_optimizers`.
         accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
-        sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule.
+        sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule (sources sorted by length, so a
+            micro-batch pads little).
         max_policy_lag: How many versions a batch's sampling policy may trail the learner's θ_k: 0 for the
             zero-staleness schedules; 1 for one-step-off ``async`` (sampled from θ_{k−1}, evaluated at θ_k without
             importance correction, App. D.4).
@@ -422,6 +423,10 @@ class StreamingPolicyModule(L.LightningModule):
             coefficients = self._sync_trajectory_coefficients(sources, plan)
         else:
             coefficients = [1.0] * len(sources)
+        # Longest first, so each padded micro-batch holds sequences of similar length: the baseline wastes little
+        # compute on padding (verl's sequence balancing does the same for its micro-batches).
+        by_length = sorted(range(len(sources)), key=lambda i: (-sources[i].token_ids.numel(), i))
+        sources, coefficients = [sources[i] for i in by_length], [coefficients[i] for i in by_length]
         size = self.sync_micro_batch_size
         for start in range(0, len(sources), size):
             chunk, weights = sources[start : start + size], coefficients[start : start + size]
