@@ -95,6 +95,8 @@ class RolloutSettings:
     replicas: int = 1
     max_batch_size: int = 64
     """Most requests one ``hf`` replica decodes together (smaller batches return sooner, in staggered waves)."""
+    prefix_cache_tokens: int = 65536
+    """K/V token positions one ``hf`` replica keeps for multi-turn prefix reuse (0: re-prefill every turn)."""
     cpus: list[int] | None = None
     """CPU cores the rollout replicas run on (``hf`` engine; ``None``: anywhere). Give the learner other cores
     (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
@@ -173,6 +175,7 @@ def fit(
     advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
     max_grad_norm: float = 1.0,
     group_admission_cap: int | None = None,
+    sync_micro_batch_size: int = 8,
     context_backward: Literal["recompute", "boundary"] = "recompute",
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
@@ -202,6 +205,7 @@ def fit(
         advantage: GRPO advantage estimator.
         max_grad_norm: Global-norm clipping of the batch direction.
         group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
+        sync_micro_batch_size: ``sync`` (and ``async``) learner: sequences per padded forward, sorted by length.
         context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
             runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
             boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
@@ -277,6 +281,7 @@ def fit(
         advantage,
         max_grad_norm=max_grad_norm if zero else None,
         group_admission_cap=group_admission_cap,
+        sync_micro_batch_size=sync_micro_batch_size,
         optimizer=optimizer,
         max_policy_lag=lag,
         context_backward=context_backward,
@@ -478,7 +483,7 @@ def _attempt_factory(rollout: RolloutSettings):
 
 def _demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):
     if rollout.environment == "simulated_tool":
-        return gauge_demonstrations(tasks, near_misses)
+        return gauge_demonstrations(tasks, rollout.simulated_tool, near_misses)
     return task_demonstrations(tasks, near_misses)
 
 
@@ -550,7 +555,12 @@ def _start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(
-        policy_dir, dtype=dtype, replicas=rollout.replicas, cpus=rollout.cpus, max_batch_size=rollout.max_batch_size
+        policy_dir,
+        dtype=dtype,
+        replicas=rollout.replicas,
+        cpus=rollout.cpus,
+        max_batch_size=rollout.max_batch_size,
+        prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
 
 

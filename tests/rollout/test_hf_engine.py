@@ -125,3 +125,29 @@ def test_report_generation_and_publication_time(engine, tiny, prompts, capsys):
     report_generation_and_publication_time(
         engine, tiny[1], prompts, 60, "HFRolloutEngine, 2 replicas x 1 thread", capsys
     )
+
+
+def test_a_publication_drops_kept_prefixes(tiny, prompts):
+    """A second turn after new weights must not reuse K/V computed under the old ones: its log-probs are the new
+    policy's on the whole context (and a second turn before the publication reuses and still matches)."""
+    from engine_checks import ATOL, rescore
+
+    path, model, _ = tiny
+    new_model = perturbed(model)
+    with HFRolloutEngine(path, replicas=1, publish_timeout=60) as single:
+        (turn1,) = single.generate([GenerationRequest("t1", prompts[2], 8, seed=1)], 60)
+        context = (*prompts[2], *turn1.token_ids, *prompts[0][-4:])
+        (same_weights,) = single.generate([GenerationRequest("t2", context, 8, seed=2)], 60)
+        expected = rescore(model, context, same_weights.token_ids)
+        torch.testing.assert_close(torch.tensor(same_weights.logprobs), expected, atol=ATOL, rtol=0)
+        single.publish(new_model.state_dict(), policy_version=1)
+        longer = (*context, *same_weights.token_ids, *prompts[0][-4:])
+        (after,) = single.generate([GenerationRequest("t3", longer, 8, seed=3)], 60)
+        expected = rescore(new_model, longer, after.token_ids)
+        torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=ATOL, rtol=0)
+        assert after.policy_version == 1
+
+
+def test_prefix_cache_size_is_checked(tiny):
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        HFRolloutEngine(tiny[0], prefix_cache_tokens=-1)

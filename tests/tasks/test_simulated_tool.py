@@ -80,14 +80,25 @@ def test_other_commands_fail_and_do_not_count_as_reads():
 
 def test_demonstrations_solve_each_task_with_near_misses():
     tasks = simulated_tasks(settings(num_tasks=2, max_calls=2))
-    demos = gauge_demonstrations(tasks, near_misses=True)
+    demos = gauge_demonstrations(tasks, settings(), near_misses=True)
     reads = sorted((d.instruction, sum(GAUGE_COMMAND in a for a, _ in d.turns)) for d in demos)
     assert reads == sorted(
         [(tasks[0].instruction, 1), (tasks[0].instruction, 2), (tasks[1].instruction, 2)]
         + [(tasks[1].instruction, 1), (tasks[1].instruction, 3)]
     )
     assert all(d.turns[-1][0] == "<finish/>" for d in demos)
-    assert len(gauge_demonstrations(tasks, near_misses=False)) == 2
+    assert len(gauge_demonstrations(tasks, settings(), near_misses=False)) == 2
+
+
+def test_demonstration_readings_have_the_lengths_the_tool_returns():
+    """The warm start shows the observations rollouts will see, not a shorter stand-in."""
+    config = settings(min_reading_chars=20, max_reading_chars=30)
+    demos = gauge_demonstrations(simulated_tasks(config), config)
+    readings = [obs.split("\n")[0] for demo in demos for action, obs in demo.turns if GAUGE_COMMAND in action]
+    lengths = {len(r.split(": ", 1)[1]) for r in readings}
+    assert min(lengths) >= 20 and max(lengths) <= 30 and len(lengths) > 1
+    outcome = SimulatedToolEnvironment(config)(simulated_tasks(config)[0]).run_command(GAUGE_COMMAND)
+    assert 20 <= len(outcome.output.split(": ", 1)[1]) <= 30
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 import transformers
+from transformers.cache_utils import DynamicLayer
 
 from tslightning.rollout.engine import (
     Generation,
@@ -50,6 +51,7 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
+from tslightning.rollout.prefix_cache import LayerKV, PrefixKVCache
 
 __all__ = ["HFRolloutEngine"]
 
@@ -64,6 +66,8 @@ class HFRolloutEngine:
         threads_per_replica: ``torch.set_num_threads`` in each replica.
         cpus: CPU cores every replica process is pinned to (``os.sched_setaffinity``); ``None``: not pinned.
         max_batch_size: Most requests one replica decodes together.
+        prefix_cache_tokens: Token positions of K/V each replica keeps so a multi-turn request that extends an
+            earlier one prefills only its new tokens (:mod:`tslightning.rollout.prefix_cache`); 0 disables reuse.
         policy_version: Version of the checkpoint's weights.
         start_timeout: Seconds to wait for every replica to load the model.
         publish_timeout: Seconds ``publish`` waits for every acknowledgement; it includes batches still running.
@@ -78,11 +82,16 @@ class HFRolloutEngine:
         threads_per_replica: int = 1,
         cpus: Sequence[int] | None = None,
         max_batch_size: int = 64,
+        prefix_cache_tokens: int = 65536,
         policy_version: int = 0,
         start_timeout: float = 300.0,
         publish_timeout: float = 600.0,
     ) -> None:
         _check_positive(replicas=replicas, threads_per_replica=threads_per_replica, max_batch_size=max_batch_size)
+        if prefix_cache_tokens < 0:
+            raise ValueError(
+                f"HFRolloutEngine: prefix_cache_tokens must be >= 0 (0 disables reuse), got {prefix_cache_tokens}"
+            )
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if cpus is not None and (not cpus or not set(cpus) <= set(range(os.cpu_count() or 1))):
             raise ValueError(f"HFRolloutEngine: cpus {list(cpus)} must name cores 0..{(os.cpu_count() or 1) - 1}")
@@ -100,7 +109,16 @@ class HFRolloutEngine:
         self._closing = False
         context = mp.get_context("spawn")
         cpus = None if cpus is None else tuple(cpus)
-        replica_args = (model_path, dtype, self._shared, policy_version, threads_per_replica, cpus, max_batch_size)
+        replica_args = (
+            model_path,
+            dtype,
+            self._shared,
+            policy_version,
+            threads_per_replica,
+            cpus,
+            max_batch_size,
+            prefix_cache_tokens,
+        )
         self._replicas = [_Replica.start(context, index, replica_args) for index in range(replicas)]
         self._reader = threading.Thread(target=self._read, name="hf-rollout-reader", daemon=True)
         self._reader.start()
@@ -405,6 +423,7 @@ def _replica_main(
     threads: int,
     cpus: tuple[int, ...] | None,
     max_batch_size: int,
+    prefix_cache_tokens: int,
     inbox: Any,
     outbox: Connection,
 ) -> None:
@@ -415,6 +434,8 @@ def _replica_main(
         transformers.utils.logging.disable_progress_bar()
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         _install(model, shared)
+        reuse = prefix_cache_tokens > 0 and supports_prefix_cache(model)
+        prefix_cache = PrefixKVCache(prefix_cache_tokens) if reuse else None
         outbox.send(("ready", None))
     except BaseException:
         outbox.send(("fatal", traceback.format_exc()))
@@ -426,6 +447,8 @@ def _replica_main(
             return
         if kind == "load":
             _install(model, shared)
+            if prefix_cache is not None:
+                prefix_cache.clear()  # K/V of the old weights
             policy_version = payload
             outbox.send(("ack", payload))
             continue
@@ -440,8 +463,10 @@ def _replica_main(
                 backlog.append(message)
                 break
             batch.extend(message[1])
+        # Shortest contexts first: each sub-batch pads little, and short requests return soonest.
+        batch.sort(key=lambda item: len(item[1].prompt_token_ids))
         for start in range(0, len(batch), max_batch_size):
-            _answer(model, batch[start : start + max_batch_size], policy_version, outbox)
+            _answer(model, batch[start : start + max_batch_size], policy_version, outbox, prefix_cache)
 
 
 @torch.no_grad()
@@ -456,10 +481,11 @@ def _answer(
     batch: list[tuple[int, GenerationRequest]],
     policy_version: int,
     outbox: Connection,
+    prefix_cache: PrefixKVCache | None = None,
 ) -> None:
     tickets = [ticket for ticket, _ in batch]
     try:
-        generations = _sample_batch(model, [request for _, request in batch], policy_version)
+        generations = _sample_batch(model, [request for _, request in batch], policy_version, prefix_cache)
     except Exception:
         outbox.send(("failed", (tickets, traceback.format_exc())))
         return
@@ -468,23 +494,26 @@ def _answer(
 
 @torch.inference_mode()
 def _sample_batch(
-    model: transformers.PreTrainedModel, requests: Sequence[GenerationRequest], policy_version: int
+    model: transformers.PreTrainedModel,
+    requests: Sequence[GenerationRequest],
+    policy_version: int,
+    prefix_cache: PrefixKVCache | None = None,
 ) -> list[Generation]:
-    """Sample every request to its stop token or ``max_tokens``: left-padded prefill, then one token per step."""
+    """Sample every request to its stop token or ``max_tokens``: left-padded prefill, then one token per step.
+
+    With ``prefix_cache``, a request whose prompt extends a kept sequence starts from its K/V and prefills only the
+    new tokens; every finished request's sequence (prompt and sampled tokens but the last) is kept in turn.
+    """
     start = time.perf_counter()
-    width = max(len(request.prompt_token_ids) for request in requests)
-    input_ids = torch.zeros(len(requests), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(requests), width, dtype=torch.long)
-    for row, request in enumerate(requests):
-        input_ids[row, width - len(request.prompt_token_ids) :] = torch.tensor(request.prompt_token_ids)
-        attention_mask[row, width - len(request.prompt_token_ids) :] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    reused = [prefix_cache.take(r.prompt_token_ids) if prefix_cache else (0, None) for r in requests]
+    input_ids, attention_mask, cache = _prefill_inputs(model, requests, reused)
+    past = attention_mask.shape[1] - input_ids.shape[1]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
     generators = [torch.Generator().manual_seed(request.seed) for request in requests]
     temperatures = torch.tensor([request.temperature for request in requests], dtype=torch.float32)
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[float]] = [[] for _ in requests]
     finish: list[str] = ["length"] * len(requests)
-    cache = transformers.DynamicCache(config=model.config)
     live = list(range(len(requests)))  # request index of each batch row still decoding
     while live:
         logits = model(
@@ -506,6 +535,10 @@ def _sample_batch(
                 finish[index] = "stop"
             elif len(tokens[index]) < requests[index].max_tokens:
                 keep.append(row)
+                continue
+            if prefix_cache is not None:  # the cache holds the prompt and every sampled token but this last one
+                sequence = (*requests[index].prompt_token_ids, *tokens[index][:-1])
+                prefix_cache.store(sequence, _row_kv(cache, row, attention_mask[row].bool()))
         if len(keep) < len(live):
             rows = torch.tensor(keep, dtype=torch.long)
             cache.reorder_cache(rows)  # drop finished rows from the KV cache
@@ -520,3 +553,44 @@ def _sample_batch(
         Generation(r.request_id, tuple(t), tuple(lp), f, policy_version, timing)  # type: ignore[arg-type]
         for r, t, lp, f in zip(requests, tokens, logprobs, finish, strict=True)
     ]
+
+
+def _prefill_inputs(
+    model: transformers.PreTrainedModel,
+    requests: Sequence[GenerationRequest],
+    reused: list[tuple[int, list[LayerKV] | None]],
+) -> tuple[torch.Tensor, torch.Tensor, transformers.DynamicCache]:
+    """The first forward's inputs: each row's reused K/V left-padded to the longest, then its new prompt tokens
+    left-padded to the longest suffix; the 2-D mask marks real positions (``[B, past + suffix]``)."""
+    past = max(n for n, _ in reused)
+    suffixes = [request.prompt_token_ids[n:] for request, (n, _) in zip(requests, reused, strict=True)]
+    width = max(len(suffix) for suffix in suffixes)
+    input_ids = torch.zeros(len(requests), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(requests), past + width, dtype=torch.long)
+    for row, (suffix, (n, _)) in enumerate(zip(suffixes, reused, strict=True)):
+        input_ids[row, width - len(suffix) :] = torch.tensor(suffix)
+        attention_mask[row, past - n : past] = 1
+        attention_mask[row, past + width - len(suffix) :] = 1
+    if past == 0:
+        return input_ids, attention_mask, transformers.DynamicCache(config=model.config)
+    template = next(layers for _, layers in reused if layers is not None)
+    data = []
+    for layer, (k0, v0) in enumerate(template):
+        keys = k0.new_zeros(len(requests), k0.shape[0], past, k0.shape[2])
+        values = v0.new_zeros(len(requests), v0.shape[0], past, v0.shape[2])
+        for row, (n, layers) in enumerate(reused):
+            if layers is not None:
+                keys[row, :, past - n :], values[row, :, past - n :] = layers[layer]
+        data.append((keys, values))
+    return input_ids, attention_mask, transformers.DynamicCache(ddp_cache_data=data, config=model.config)
+
+
+def _row_kv(cache: transformers.DynamicCache, row: int, valid: torch.Tensor) -> list[LayerKV]:
+    """One batch row's K/V at its real (unpadded) positions, copied out of the batch cache."""
+    return [(layer.keys[row][:, valid].clone(), layer.values[row][:, valid].clone()) for layer in cache.layers]
+
+
+def supports_prefix_cache(model: transformers.PreTrainedModel) -> bool:
+    """Whether every cache layer is a plain full-attention ``DynamicLayer`` (sliding windows are not reused)."""
+    layers = transformers.DynamicCache(config=model.config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)

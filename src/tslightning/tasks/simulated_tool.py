@@ -117,9 +117,20 @@ def gauge_reward(calls: int, target: int) -> float:
     return progress + (0.5 if progress == 1.0 else 0.0)
 
 
-def gauge_demonstrations(tasks: list[SimulatedToolTask], near_misses: bool = True) -> list[Demonstration]:
+def gauge_reading(ordinal: int, rng: random.Random, settings: SimulatedToolSettings) -> str:
+    """The ``ordinal``-th gauge reading (1-based): digits of a seeded length in [min, max]_reading_chars."""
+    length = rng.randint(settings.min_reading_chars, settings.max_reading_chars)
+    digits = "".join(rng.choice("0123456789") for _ in range(length))
+    return f"gauge reading {ordinal}: {digits}"
+
+
+def gauge_demonstrations(
+    tasks: list[SimulatedToolTask], settings: SimulatedToolSettings, near_misses: bool = True
+) -> list[Demonstration]:
     """Warm-start demonstrations: each task solved exactly, plus (``near_misses``) one call short and one too many,
-    so sampled groups carry a reward spread."""
+    so sampled groups carry a reward spread. Readings have the lengths the tool returns (seeded apart from the
+    attempts' readings), so the policy sees in training the observations it will see in rollouts."""
+    rng = random.Random(f"demonstrations/{settings.seed}")
     demos = []
     for task in tasks:
         counts = [task.target_calls]
@@ -127,7 +138,8 @@ def gauge_demonstrations(tasks: list[SimulatedToolTask], near_misses: bool = Tru
             counts += [c for c in (task.target_calls - 1, task.target_calls + 1) if c >= 1]
         for count in counts:
             turns = [
-                (f"<bash>{GAUGE_COMMAND}</bash>", f"gauge reading {k + 1}: 42\n[exit code 0]") for k in range(count)
+                (f"<bash>{GAUGE_COMMAND}</bash>", f"{gauge_reading(k + 1, rng, settings)}\n[exit code 0]")
+                for k in range(count)
             ]
             demos.append(Demonstration(task.instruction, (*turns, ("<finish/>", ""))))
     return demos
@@ -158,9 +170,7 @@ class SimulatedToolAttempt:
         if command.strip() != GAUGE_COMMAND:
             return GaugeOutcome(f"sh: {command.strip()[:40]}: command not found", 127)
         self.calls += 1
-        length = rng.randint(self.settings.min_reading_chars, self.settings.max_reading_chars)
-        digits = "".join(rng.choice("0123456789") for _ in range(length))
-        return GaugeOutcome(f"gauge reading {self.calls}: {digits}", 0)
+        return GaugeOutcome(gauge_reading(self.calls, rng, self.settings), 0)
 
     def verify(self) -> float:
         return gauge_reward(self.calls, self.task.target_calls)
