@@ -77,11 +77,16 @@ def test_async_is_one_step_off(tmp_path):
     assert _lags(tmp_path / "async") == [0.0, 1.0, 1.0]
 
 
-def test_fully_async_records_a_bounded_lag(tmp_path):
+def test_fully_async_rolls_out_across_updates_with_a_bounded_lag(tmp_path):
+    """Rollout never stops: while update 0 learns, the next groups are already sampled from θ_0, so update 1 trains
+    on them one version behind (lag 1); the bound keeps every lag ≤ 1; batches are the first P groups to complete."""
     rewards = _short_fit(tmp_path / "fa", "fully_async", "--staleness_bound", "1")
     lags = _lags(tmp_path / "fa")
     assert len(rewards["mean_rewards"]) == 3 and len(lags) == 3
-    assert all(0.0 <= lag <= 1.0 for lag in lags)
+    assert lags[0] == 0.0 and lags[1] == 1.0 and all(lag <= 1.0 for lag in lags)
+    trace = [json.loads(line) for path in (tmp_path / "fa" / "trace").rglob("*.jsonl") for line in path.open()]
+    groups = {r["group"] for r in trace if r["record"] == "source"}
+    assert groups and all(g.startswith("g") for g in groups)  # continuous slots, not per-update prompts
 
 
 def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):

@@ -45,11 +45,11 @@ def run(out: Path, **overrides):
 def killed_during(update: int, original):
     """``_one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
 
-    def one_update(fabric, module, optimizer, datamodule, index: int) -> None:
+    def one_update(fabric, module, optimizer, stream, index: int) -> None:
         if index != update:
-            return original(fabric, module, optimizer, datamodule, index)
+            return original(fabric, module, optimizer, stream, index)
         ingested = 0
-        for item in datamodule.stream_update(index):
+        for item in stream:
             module.ingest(item)
             if isinstance(item, BatchPlan):
                 fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=index)

@@ -13,6 +13,7 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -290,7 +291,9 @@ def fit(
     _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
     try:
         first = 0 if resume is None else _resume(resume, fabric, module, fabric_optimizer, engine)
-        return _run_updates(fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first)
+        return _run_updates(
+            fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first, staleness_bound
+        )
     finally:
         engine.close()
         if teacher is not None:
@@ -307,29 +310,31 @@ def _run_updates(
     out: Path,
     schedule: str = "thundersync",
     first: int = 0,
+    staleness_bound: int = 1,
 ) -> FitResult:
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
     bar = tqdm(range(first, updates), desc="updates", disable=not progress)
     prefetched = _Prefetch(datamodule, first) if schedule == "async" else None
-    for update in bar:
-        start = time.perf_counter()
-        if prefetched is None:
-            _one_update(fabric, module, optimizer, datamodule, update)
-        else:
-            prefetched = _one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
-        rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
-        result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
-        result.step_seconds.append(time.perf_counter() - start)
-        metrics = {"train/mean_reward": result.mean_rewards[-1]}
-        if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
-            metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
-        gap, tokens = map(sum, zip(*(t.teacher_gap() for t in datamodule.trajectories[update]), strict=True))
-        if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
-            metrics["train/teacher_logprob_gap"] = gap / tokens
-            result.teacher_gaps.append(gap / tokens)
-        fabric.log_dict(metrics, step=update)
-        bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
+    # fully_async: one producer keeps rolling out across updates; each batch is the first P groups to complete.
+    continuous = (
+        datamodule.stream_continuous(updates, staleness_bound, lambda: module.policy_version)
+        if schedule == "fully_async"
+        else None
+    )
+    try:
+        for update in bar:
+            start = time.perf_counter()
+            if continuous is not None:
+                _one_update(fabric, module, optimizer, _continuous_items(continuous), update)
+            elif prefetched is None:
+                _one_update(fabric, module, optimizer, datamodule.stream_update(update), update)
+            else:
+                prefetched = _one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
+            _record_update(fabric, datamodule, result, update, start, schedule, bar)
+    finally:
+        if continuous is not None:
+            continuous.close()  # stops the producer
     fabric.call("on_train_end", trainer=fabric, pl_module=module)
     result.peak_learner_memory_mb = _peak_memory_mb(fabric.device)
     for logger in fabric.loggers:
@@ -340,15 +345,35 @@ def _run_updates(
     return result
 
 
+def _record_update(fabric, datamodule, result: FitResult, update: int, start: float, schedule: str, bar) -> None:
+    """Reward, step time and schedule metrics of one finished update."""
+    rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
+    result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
+    result.step_seconds.append(time.perf_counter() - start)
+    metrics = {"train/mean_reward": result.mean_rewards[-1]}
+    if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
+        metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
+    gap, tokens = map(sum, zip(*(t.teacher_gap() for t in datamodule.trajectories[update]), strict=True))
+    if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
+        metrics["train/teacher_logprob_gap"] = gap / tokens
+        result.teacher_gaps.append(gap / tokens)
+    fabric.log_dict(metrics, step=update)
+    bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
+
+
+def _continuous_items(batches):
+    """The next fully_async batch's items, fetched when the loop asks for the first (inside its failure report)."""
+    yield from next(batches)
+
+
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _one_update(fabric, module, optimizer, datamodule, update: int) -> None:
-    """One logical batch: ingest ready items as they arrive, then the barrier, the step and publication."""
-    stream = datamodule.stream_update(update)
+def _one_update(fabric, module, optimizer, stream: Iterator, update: int) -> None:
+    """One logical batch: ingest ``stream``'s items as they arrive, then the barrier, the step and publication."""
     waited = 0.0
     while True:
         before = time.perf_counter()
