@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_checks import chat_prompts, saved_tiny_model
+from engine_checks import chat_prompts, rescore, saved_tiny_model
 
 from tslightning.rollout.engine import GenerationRequest
 from tslightning.rollout.hf_engine import _sample_batch, supports_prefix_cache
@@ -89,8 +89,6 @@ def test_second_turns_sample_the_same_with_and_without_reuse(tiny):
 
 def test_rollout_samples_match_the_learner_after_reuse(tiny):
     """The log-probs of a reused-prefix turn are what one full forward over the whole context gives."""
-    from engine_checks import rescore
-
     model, tokenizer = tiny
     prompt = chat_prompts(tokenizer)[1]
     cache = PrefixKVCache(max_tokens=10_000)
