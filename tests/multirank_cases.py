@@ -29,11 +29,12 @@ from tslightning.rank_failure import RankFailureError, reported_to_ranks
 from tslightning.replay_batches import WorkloadShape, synthetic_grpo_batch, synthetic_opd_batch
 from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+from tslightning.zero_gradients import gathered_parameters
 
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
 UPDATES = 2
 TIMEOUT_S = 30
-DTYPES = {"ddp": torch.float64, "deepspeed_stage_2": torch.float32}
+DTYPES = {"ddp": torch.float64, "deepspeed_stage_2": torch.float32, "deepspeed_stage_3": torch.float32}
 """DeepSpeed computes in at most float32 (its engine's model dtype; ZeRO reduce-scatters fp16/bf16/fp32 only)."""
 
 
@@ -69,7 +70,7 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     optimizer = module.configure_optimizers()
     if fabric is not None:
         _, optimizer = fabric.setup(module, optimizer)
-    record = {"theta0": module.layout.values(), "directions": [], "thetas": [], "units_per_rank": []}
+    record = {"theta0": module.layout.values(), "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
     for k, batch in enumerate(make_batches(objective, dtype)):
         assignment, shares = split_replay_batch(batch, world_size)
         share = shares[rank]
@@ -77,18 +78,23 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
             share = share.reordered(torch.Generator().manual_seed(100 * k + rank))
         for item in share.stream():
             module.ingest(item)
+        lockstep = module.lockstep
         module.barrier(optimizer)
+        if lockstep is not None:
+            record["lockstep"].append((lockstep.ticks, lockstep.idle_passes, module.last_update.num_sources))
         record["directions"].append(module.last_direction.double())
-        record["thetas"].append(module.layout.values())
+        with gathered_parameters(module.policy):  # ZeRO-3: each rank holds a shard
+            record["thetas"].append(module.layout.values())
         record["units_per_rank"].append(assignment.units_per_rank())
     return record
 
 
-def failing_case(case: str, fabric) -> dict:
+def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
     """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``)."""
-    module = StreamingPolicyModule(make_policy(torch.float64), "grpo", "thundersync")
+    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync")
     _, optimizer = fabric.setup(module, module.configure_optimizers())
-    theta0 = module.layout.values()
+    with gathered_parameters(module.policy):
+        theta0 = module.layout.values()
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
     start = time.perf_counter()
@@ -104,12 +110,18 @@ def failing_case(case: str, fabric) -> dict:
         error = None
     except RankFailureError as exc:
         error = exc
+    seconds = time.perf_counter() - start
+    if case != "die-ingest":  # a ZeRO-3 gather needs the peer, which is gone after die-ingest
+        with gathered_parameters(module.policy):
+            unchanged = torch.equal(module.layout.values(), theta0)
+    else:
+        unchanged = torch.equal(module.layout.values(), theta0)
     return {
         "error_type": type(error).__name__,
         "error": str(error),
         "cause": repr(error.__cause__) if error is not None else None,
-        "seconds": time.perf_counter() - start,
-        "unchanged": torch.equal(module.layout.values(), theta0),
+        "seconds": seconds,
+        "unchanged": unchanged,
         "policy_version": module.policy_version,
     }
 
@@ -156,7 +168,7 @@ def _strategy(name: str):
         return DDPStrategy(process_group_backend="gloo", timeout=timeout)
     from tslightning.deepspeed_cpu import CPUDeepSpeedStrategy
 
-    return CPUDeepSpeedStrategy(stage=2, timeout=timeout)
+    return CPUDeepSpeedStrategy(stage=int(name[-1]), timeout=timeout)
 
 
 def main(out: str, strategy: str, *cases: str) -> None:
@@ -169,7 +181,7 @@ def main(out: str, strategy: str, *cases: str) -> None:
         target.mkdir(parents=True, exist_ok=True)
         try:
             if case.endswith("-ingest"):
-                record = failing_case(case, fabric)
+                record = failing_case(case, fabric, DTYPES[strategy])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)
             else:

@@ -113,3 +113,36 @@ def test_deepspeed_zero2_two_ranks_equal_one_process_float32(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for case in ("grpo-thundersync", "opd-sync"):
         _check_against_one_process(tmp_path, "deepspeed_stage_2", case)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero3")
+    done = _launch(out, "deepspeed_stage_3", "grpo-thundersync", "opd-thundersync", "grpo-sync", "fail-ingest")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("case", ["grpo-thundersync", "opd-thundersync", "grpo-sync"])
+def test_deepspeed_zero3_two_ranks_equal_one_process_float32(zero3_run, case):
+    """ZeRO-3 partitions the parameters: uneven per-rank streams run in lock-step ticks, idle passes included."""
+    _check_against_one_process(zero3_run, "deepspeed_stage_3", case)
+    ranks = [_load(zero3_run, "deepspeed_stage_3", case, r) for r in (0, 1)]
+    assert len(ranks[0]["lockstep"]) == 2  # one lock-step record per update
+    for k in range(2):
+        (ticks0, idle0, sources0), (ticks1, idle1, sources1) = (r["lockstep"][k] for r in ranks)
+        assert ticks0 == ticks1  # every pass paired with one on the other rank
+        assert max(idle0, idle1) > 0  # uneven shares and orders: a rank ran idle passes to keep the gathers paired
+        # real passes: one per source (thundersync) or per padded micro-batch of 8 (sync)
+        per_pass = 8 if case.endswith("-sync") else 1
+        assert ticks0 - idle0 == -(-sources0 // per_pass) and ticks1 - idle1 == -(-sources1 // per_pass)
+
+
+def test_rank_failure_under_zero3_lockstep_fails_every_rank(zero3_run):
+    for rank in (0, 1):
+        record = _load(zero3_run, "deepspeed_stage_3", "fail-ingest", rank)
+        assert record["error_type"] == "RankFailureError", record
+        assert "update 0 failed on learner rank(s) [1] of 2" in record["error"]
+        assert record["unchanged"] and record["policy_version"] == 0
+        assert record["seconds"] < TIMEOUT_S

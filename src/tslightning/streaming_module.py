@@ -12,6 +12,9 @@ barrier. Context gradients are exact because every source recomputes its full ca
 turns); learner cost per source is one forward and backward over all of ``token_ids``. With
 ``context_backward="boundary"`` (thundersync) each context runs once instead and later sources' boundary adjoints
 are back-propagated through it when its group or trajectory closes (App. I, :mod:`tslightning.boundary_adjoint`).
+
+On several ranks with partitioned parameters (DeepSpeed ZeRO-3) every per-source pass gathers each layer in a
+collective, so learner work is queued and served in lock-step ticks across ranks (:mod:`tslightning.lockstep`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,14 @@ from tslightning.sources import (
     TurnSource,
 )
 from tslightning.turn_accumulator import TurnAccumulator
-from tslightning.zero_gradients import backward_direction, clip_coefficient, deepspeed_fabric
+from tslightning.lockstep import LockstepTicks
+from tslightning.zero_gradients import (
+    backward_direction,
+    clip_coefficient,
+    deepspeed_fabric,
+    partitions_parameters,
+    release_pass_leftovers,
+)
 
 
 class Schedule(StrEnum):
@@ -204,6 +214,8 @@ class StreamingPolicyModule(L.LightningModule):
         self._num_scored_tokens = 0
         self.service_log: list[ServiceRecord] = []
         """Per-source service times of the current (or last finished) update."""
+        self.lockstep: LockstepTicks | None = None
+        """Lock-step serving of the open update (several ranks with ZeRO-3 partitioned parameters), else ``None``."""
         self.update_timings: dict[str, float] = {}
         """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
         add ``rollout_wait_s``, ``publication_s``, ...)."""
@@ -235,6 +247,7 @@ class StreamingPolicyModule(L.LightningModule):
                 f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
                 f">= {self.advantage.min_group_size} trajectories per group"
             )
+        self.lockstep = self._lockstep_ticks()
         self._registry = BatchRegistry(plan)
         self.service_log = []
         self.update_timings = {"learner_service_s": 0.0}
@@ -273,6 +286,8 @@ class StreamingPolicyModule(L.LightningModule):
             self._serve([], lambda: self._replay_turn_adjoints(item))
         elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
             self._admit_grpo(item)
+        if self.lockstep is not None:
+            self.lockstep.serve(self.policy_version)  # runs queued work in step with the other ranks
 
     def _admit_grpo(self, item: TrajectorySource | GroupClosed) -> None:
         """Run GRPO work in readiness order, holding back groups beyond the admission cap (App. D.3)."""
@@ -308,6 +323,10 @@ class StreamingPolicyModule(L.LightningModule):
             registry.require_complete()
             if self.schedule is Schedule.SYNC:
                 self._compute_sync_direction(registry.plan)
+            if self.lockstep is not None:
+                self.lockstep.drain(self.policy_version)
+            if self.schedule is Schedule.SYNC:
+                self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
         agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
         norm = float(torch.linalg.vector_norm(direction))
@@ -431,7 +450,6 @@ class StreamingPolicyModule(L.LightningModule):
         for start in range(0, len(sources), size):
             chunk, weights = sources[start : start + size], coefficients[start : start + size]
             self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
-        self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
 
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
         """One padded micro-batch of the batch objective (GRPO: Σ_i weight_i S_i; OPD: App. I.2's ratio form)."""
@@ -451,9 +469,35 @@ class StreamingPolicyModule(L.LightningModule):
             self.turns.add(grads, sum(s.num_scored for s in chunk))
 
     def _serve(self, sources: list[Source], work: Callable[[], None]) -> None:
+        """Run learner work for ``sources`` — now, or at its lock-step tick — and record its service interval."""
+        if self.lockstep is not None:
+            self.lockstep.submit(lambda: self._timed(sources, work))
+        else:
+            self._timed(sources, work)
+
+    def _idle_pass(self) -> None:
+        """A lock-step tick's pass for a rank with no queued work: the collectives of one forward and backward."""
+        tokens = torch.zeros(2, dtype=torch.long)
+        logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
+        torch.autograd.grad(logp.sum(), self.layout.parameters, allow_unused=True)  # discarded: nothing is folded
+        release_pass_leftovers(self)
+
+    def _lockstep_ticks(self) -> LockstepTicks | None:
+        sharded = partitions_parameters(self.policy)
+        if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        if self.context_backward is not ContextBackward.RECOMPUTE:
+            raise ValueError(
+                "context_backward='boundary' runs a different number of policy passes per source than other ranks, "
+                "which ZeRO-3's lock-step gathers cannot pair up; use context_backward='recompute' with ZeRO-3"
+            )
+        return LockstepTicks(self._idle_pass)
+
+    def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
         start = time.perf_counter()
         work()
+        release_pass_leftovers(self)  # ZeRO-3 only
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         for s in sources:
@@ -500,6 +544,7 @@ class StreamingPolicyModule(L.LightningModule):
 
     def _reset_batch(self) -> None:
         self._registry = None
+        self.lockstep = None
         self._held_sources = []
         self._reductions = []
         self._num_sources = 0

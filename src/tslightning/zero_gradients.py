@@ -10,14 +10,15 @@ has ∇_p L = −c·d_p exactly, on every rank. ZeRO averages gradients over the
 values is that value, so each partition receives exactly −c·g_k. (The direction thus crosses the ranks twice: the
 barrier's all-reduce, then ZeRO's reduce-scatter of equal values.)
 
-ZeRO-3 is refused on several ranks: it all-gathers each layer's parameters in every forward and backward, a
-collective that all ranks must enter in step, while streaming ranks run different numbers of per-source forwards
-in their own readiness order (uneven shares), so the gathers never pair up and the ranks wait until the process
-group's timeout. Running it needs either the whole model gathered for the update (ZeRO-2's memory for parameters)
-or lock-step learner ticks with idle ranks running empty forwards.
+ZeRO-3 also partitions the parameters: outside a forward each holds only its shard, so the surrogate runs inside
+:func:`gathered_parameters` (one all-gather of the whole model, on every rank at the barrier), and its backward runs
+there too, while the parameters have their full shapes. On several ranks the learner's per-source passes run in
+lock-step (:mod:`tslightning.lockstep`), because ZeRO-3 gathers each layer in every forward and backward.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
 
 import lightning as L
 import torch
@@ -58,18 +59,39 @@ def backward_direction(
             "DeepSpeed: this StreamingPolicyModule is not the model of the strategy's current engine, whose optimizer "
             "the barrier steps; set it up with fabric.setup(module, optimizer) last (one engine per module)"
         )
-    check_zero_stage(fabric.strategy, fabric.world_size)
-    terms = [
-        (p * d.to(device=p.device, dtype=p.dtype)).sum()
-        for p, d in zip(layout.parameters, layout.unflatten(direction), strict=True)
-    ]
-    engine.backward(torch.stack(terms).sum() * scale)  # what fabric.backward does for a DeepSpeed model
+    with gathered_parameters(module):  # ZeRO-3: full shapes for the surrogate and for its backward's hooks
+        terms = [
+            (p * d.to(device=p.device, dtype=p.dtype)).sum()
+            for p, d in zip(layout.parameters, layout.unflatten(direction), strict=True)
+        ]
+        engine.backward(torch.stack(terms).sum() * scale)  # what fabric.backward does for a DeepSpeed model
 
 
-def check_zero_stage(strategy: DeepSpeedStrategy, world_size: int) -> None:
-    """Raise ``ValueError`` for ZeRO-3 on several ranks (see the module docstring)."""
-    if strategy.zero_stage_3 and world_size > 1:
-        raise ValueError(
-            "DeepSpeed ZeRO-3 cannot stream on several learner ranks: its per-layer parameter all-gathers in every "
-            "forward need all ranks in step, while each rank streams its own sources; use deepspeed_stage_2 or ddp"
-        )
+def partitions_parameters(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are partitioned by DeepSpeed ZeRO-3 (each rank holds only its shard)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def release_pass_leftovers(module: L.LightningModule) -> None:
+    """Release ZeRO-3 parameters a learner pass left gathered, as the engine's own backward does at its end.
+
+    The learner's per-source backward is ``torch.autograd.grad``, not the engine's ``backward``; submodules whose
+    post-backward hook never fires (the embedding: its input needs no gradient) stay gathered until released here.
+    Local (not a collective); does nothing outside ZeRO-3.
+    """
+    fabric = deepspeed_fabric(module)
+    if fabric is None or not fabric.strategy.zero_stage_3 or fabric.strategy.model is None:
+        return
+    fabric.strategy.model.optimizer.parameter_offload.release_backward_leftovers()
+
+
+def gathered_parameters(module: torch.nn.Module) -> AbstractContextManager:
+    """A context in which ``module``'s ZeRO-3 parameters have their full values on every rank (read-only).
+
+    A collective under ZeRO-3 (every rank must enter it); does nothing for other modules.
+    """
+    if not partitions_parameters(module):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
