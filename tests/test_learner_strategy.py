@@ -37,17 +37,18 @@ def test_deepspeed_on_cpu_uses_the_gloo_subclass(stage):
 
 
 def test_every_problem_is_reported_at_once():
-    problems = LearnerSettings(devices=0, strategy="deepspeed_stage_3", timeout_s=0).problems("fully_async")
+    problems = LearnerSettings(devices=0, strategy="fsdp", timeout_s=0).problems("fully_async")
     assert len(problems) == 3
     assert "learner.devices" in problems[0] and "learner.timeout_s" in problems[1]
-    assert "use ddp or deepspeed_stage_2" in problems[2]
+    assert "use deepspeed_stage_3 for sharded parameters, or ddp" in problems[2]
     assert LearnerSettings(devices=2).problems("fully_async") == [
         "schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1"
     ]
-    assert LearnerSettings(devices=2, num_nodes=3, strategy="deepspeed_stage_2").problems("thundersync") == []
+    for stage in (2, 3):
+        assert LearnerSettings(devices=2, num_nodes=3, strategy=f"deepspeed_stage_{stage}").problems("sync") == []
 
 
 def test_fit_refuses_sharded_parameter_strategies_before_doing_anything(tmp_path):
-    with pytest.raises(ValueError, match="learner.strategy 'fsdp' gathers the sharded parameters"):
+    with pytest.raises(ValueError, match="learner.strategy 'fsdp' unshards and reduce-scatters"):
         fit(out_dir=str(tmp_path / "run"), learner=LearnerSettings(devices=2, strategy="fsdp"), progress=False)
     assert not (tmp_path / "run").exists()

@@ -148,6 +148,9 @@ class CheckpointSettings:
     """Learner devices the wall clock is multiplied by; ``None``: the world size."""
     save_last: bool = True
     """Also checkpoint the final update."""
+    enabled: bool = True
+    """Write checkpoints at all; must be ``false`` with a DeepSpeed learner strategy (its ZeRO optimizer state is
+    partitioned across ranks, and a checkpoint holds rank 0's replicated state)."""
 
 
 @dataclass
@@ -229,6 +232,16 @@ def fit(
             "runs the recompute learner (set context_backward: recompute)"
         )
     problems = learner.problems(schedule)
+    if learner.strategy.startswith("deepspeed") and (checkpoint.enabled or resume is not None):
+        problems.append(
+            f"learner.strategy {learner.strategy!r} partitions the optimizer state across ranks, which GPU-clock "
+            "checkpoints (rank 0's replicated state) would lose: set checkpoint.enabled=false and no resume"
+        )
+    if learner.strategy == "deepspeed_stage_3" and context_backward == "boundary":
+        problems.append(
+            "learner.strategy 'deepspeed_stage_3' serves sources in lock-step, one policy pass each; the boundary "
+            "context backward runs several per source: set context_backward=recompute"
+        )
     if problems:
         raise ValueError("fit: " + "; ".join(problems))
     out = Path(out_dir)
@@ -270,7 +283,7 @@ def fit(
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
             *callbacks,
-            _checkpointer(checkpoint, out, seed),  # last: the callback states it saves include the update
+            *([_checkpointer(checkpoint, out, seed)] if checkpoint.enabled else []),  # last: it saves the others
         ],
     )
     fabric.launch()

@@ -15,12 +15,14 @@ Launching several ranks (Fabric's launchers; every rank runs the same command li
 * SLURM: ``srun --nodes N --ntasks-per-node D tslightning fit --config C --learner.devices D --learner.num_nodes N
   --learner.strategy ddp`` inside an ``sbatch`` allocation; Fabric's SLURM environment reads ``SLURM_PROCID`` etc.
 
-Strategies: ``ddp`` (replicated parameters) and ``deepspeed_stage_2`` (ZeRO-2: partitioned optimizer state and
+Strategies: ``ddp`` (replicated parameters), ``deepspeed_stage_2`` (ZeRO-2: partitioned optimizer state and
 gradients; the direction reaches them through :mod:`tslightning.zero_gradients`; float32 at most — DeepSpeed has no
-float64 model dtype) stream exactly on several ranks. ``fsdp`` and ``deepspeed_stage_3`` shard the parameters and
-gather them in every forward with a collective all ranks must enter together, which per-rank streaming (ranks run
-different numbers of per-source forwards, in their own readiness order) cannot provide; they are constructed here
-but ``fit`` refuses them with that reason.
+float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partitioned too; every forward gathers each layer
+in a collective, so the ranks serve their sources in lock-step ticks, :mod:`tslightning.lockstep`, with the
+``recompute`` context backward) stream exactly on several ranks. DeepSpeed partitions the optimizer state, which the
+GPU-clock checkpoint (rank 0's replicated copy) cannot hold, so ``fit`` needs ``checkpoint.enabled=false`` with them.
+``fsdp`` is constructed here but ``fit`` refuses it: its per-layer unshard and reduce-scatter run inside the FSDP
+wrapper's forward and the engine-side ``backward``, not the per-source ``torch.autograd.grad`` the learner takes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from datetime import timedelta
 from typing import Literal
 
 StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
-_SHARDED_PARAMETERS = ("fsdp", "deepspeed_stage_3")
 
 
 @dataclass
@@ -43,7 +44,8 @@ class LearnerSettings:
     """Nodes; launch one process per device on each (torchrun or SLURM, see the module docstring)."""
     strategy: StrategyName = "auto"
     """``auto`` (one rank: no strategy; several: ``ddp``), ``ddp``, ``deepspeed_stage_2`` (also on CPU, over gloo);
-    ``fsdp`` and ``deepspeed_stage_3`` are refused (they gather parameters in every forward in lock-step)."""
+    ``deepspeed_stage_3`` (lock-step ticks; ``context_backward=recompute``); ``fsdp`` is refused (see the module
+    docstring)."""
     timeout_s: float = 1800.0
     """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
     cpus: list[int] | None = None
@@ -61,10 +63,10 @@ class LearnerSettings:
             problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
         if not self.timeout_s > 0:
             problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
-        if self.strategy in _SHARDED_PARAMETERS:
+        if self.strategy == "fsdp":
             problems.append(
-                f"learner.strategy {self.strategy!r} gathers the sharded parameters in every forward, a collective all "
-                "ranks must enter together, but each rank streams its own sources; use ddp or deepspeed_stage_2"
+                "learner.strategy 'fsdp' unshards and reduce-scatters inside the FSDP wrapper's forward and backward, "
+                "which the per-source learner passes bypass; use deepspeed_stage_3 for sharded parameters, or ddp"
             )
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")

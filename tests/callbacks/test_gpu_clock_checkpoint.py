@@ -248,3 +248,13 @@ def test_a_lora_policy_resumes_with_its_adapters(make_policy, vocab_size, tmp_pa
     assert all(
         torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values(), strict=True)
     )
+
+
+def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_path):
+    pytest.importorskip("deepspeed")
+    from tslightning.deepspeed_cpu import CPUDeepSpeedStrategy
+
+    callback = GPUClockCheckpoint(tmp_path, 3600.0)
+    trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO partitions them across ranks"):
+        callback.on_train_start(trainer, None)

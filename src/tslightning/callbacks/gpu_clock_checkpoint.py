@@ -124,7 +124,18 @@ class GPUClockCheckpoint(Checkpoint):
 
     # ----------------------------------------------------------------- hooks (Trainer and Fabric)
     def on_train_start(self, trainer: L.Trainer | L.Fabric, pl_module: Any) -> None:
-        """The GPU-clock starts (or, after a resume, continues from the restored reading)."""
+        """The GPU-clock starts (or, after a resume, continues from the restored reading).
+
+        Raises:
+            ValueError: under a DeepSpeed strategy, whose ZeRO optimizer state (and ZeRO-3 parameters) are
+                partitioned across ranks: a checkpoint of rank 0's state would lose the other ranks' partitions.
+        """
+        if _is_deepspeed(getattr(trainer, "strategy", None)):
+            raise ValueError(
+                "GPUClockCheckpoint writes rank 0's replicated module and optimizer state; DeepSpeed ZeRO partitions "
+                "them across ranks, so the checkpoint would lose the other partitions. Remove this callback (fit: "
+                "checkpoint.enabled=false) or use a replicated strategy (ddp)"
+            )
         self._world_devices = trainer.world_size
         self._started_at = self.clock()
 
@@ -309,3 +320,10 @@ def _sum_over_ranks(trainer: L.Trainer | L.Fabric, values: list[int]) -> list[in
     reduce = getattr(strategy, "all_reduce", None) or strategy.reduce
     tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
     return [round(v) for v in reduce(tensor, reduce_op="sum").tolist()]
+
+
+def _is_deepspeed(strategy: Any) -> bool:
+    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
+    from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeed
+
+    return isinstance(strategy, FabricDeepSpeed | TrainerDeepSpeed)

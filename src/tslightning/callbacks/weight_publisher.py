@@ -18,6 +18,7 @@ import torch
 
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
 from tslightning.sources import BatchClosed
+from tslightning.zero_gradients import gathered_parameters, partitions_parameters
 
 
 class WeightPublisher(L.Callback):
@@ -65,10 +66,11 @@ class WeightPublisher(L.Callback):
             return
         version = pl_module.policy_version
         start = time.perf_counter()
+        weights = _full_weights(pl_module.policy)  # ZeRO-3: a gather every rank enters
         if self.every_rank:
-            self._publish_from_every_rank(trainer, pl_module.policy, version)
+            self._publish_from_every_rank(trainer, weights, version)
         else:
-            self._publish_from_rank_zero(trainer, pl_module.policy, version)
+            self._publish_from_rank_zero(trainer, weights, version)
         seconds = time.perf_counter() - start
         pl_module.update_timings["publication_s"] = seconds
         self.published_version = version
@@ -77,12 +79,12 @@ class WeightPublisher(L.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics({"timing_s/update_weights": seconds}, step=version - 1)
 
-    def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, policy: torch.nn.Module, version: int) -> None:
+    def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
         """Rank 0 publishes (a replicated policy: every rank holds θ_{k+1}); every rank raises if it failed."""
         error = None
         if trainer.global_rank == 0:
             try:
-                self._publish(policy, version)
+                self._publish(weights, version)
             except Exception as exc:
                 error = exc
         # The broadcast is also the sync point: no rank starts batch k+1 before every replica acknowledged θ_{k+1}.
@@ -92,11 +94,11 @@ class WeightPublisher(L.Callback):
         if failure is not None:
             raise RolloutEngineError(f"global rank 0 failed to publish θ_{version}: {failure}")
 
-    def _publish_from_every_rank(self, trainer: L.Trainer | L.Fabric, policy: torch.nn.Module, version: int) -> None:
+    def _publish_from_every_rank(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
         """Every rank publishes to its own engine; every rank raises if any of them failed."""
         error = None
         try:
-            self._publish(policy, version)
+            self._publish(weights, version)
         except Exception as exc:
             error = exc
         # The all-reduce is also the sync point: no rank starts batch k+1 before every engine acknowledged θ_{k+1}.
@@ -106,9 +108,9 @@ class WeightPublisher(L.Callback):
         if float(failed.sum()) > 0:
             raise RolloutEngineError(f"{int(failed.sum())} learner rank(s) failed to publish θ_{version}")
 
-    def _publish(self, policy: torch.nn.Module, version: int) -> PublishReceipt:
-        weights = publishable_state_dict(policy)
-        receipt = _wait_for(lambda: self.engine.publish(weights, version), self.timeout_s, version)
+    def _publish(self, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> PublishReceipt:
+        state = weights()
+        receipt = _wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version)
         if receipt.policy_version != version:
             raise RolloutEngineError(
                 f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
@@ -122,6 +124,16 @@ class WeightPublisher(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.published_version = state_dict["published_version"]
         self.publications = state_dict["publications"]
+
+
+def _full_weights(policy: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3, where every
+    rank gathers the partitioned parameters now (a collective) and keeps a full host copy for the publishing rank."""
+    if not partitions_parameters(policy):
+        return lambda: publishable_state_dict(policy)
+    with gathered_parameters(policy):
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in publishable_state_dict(policy).items()}
+    return lambda: state
 
 
 def publishable_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
