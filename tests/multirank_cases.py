@@ -34,7 +34,7 @@ from tslightning.zero_gradients import gathered_parameters
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
 UPDATES = 2
 TIMEOUT_S = 30
-DTYPES = {"ddp": torch.float64, "deepspeed_stage_2": torch.float32, "deepspeed_stage_3": torch.float32}
+DTYPES = {"ddp": torch.float64, "fsdp": torch.float64, "deepspeed_stage_2": torch.float32, "deepspeed_stage_3": torch.float32}
 """DeepSpeed computes in at most float32 (its engine's model dtype; ZeRO reduce-scatters fp16/bf16/fp32 only)."""
 
 
@@ -67,10 +67,9 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     module = StreamingPolicyModule(
         make_policy(dtype), objective, schedule, optimizer=OptimizerSettings(lr=1e-3), accumulator_dtype=dtype
     )
-    optimizer = module.configure_optimizers()
-    if fabric is not None:
-        _, optimizer = fabric.setup(module, optimizer)
-    record = {"theta0": module.layout.values(), "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
+    theta0 = module.layout.values()
+    optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
+    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
     for k, batch in enumerate(make_batches(objective, dtype)):
         assignment, shares = split_replay_batch(batch, world_size)
         share = shares[rank]
@@ -83,8 +82,7 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         if lockstep is not None:
             record["lockstep"].append((lockstep.ticks, lockstep.idle_passes, module.last_update.num_sources))
         record["directions"].append(module.last_direction.double())
-        with gathered_parameters(module.policy):  # ZeRO-3: each rank holds a shard
-            record["thetas"].append(module.layout.values())
+        record["thetas"].append(full_values(module))
         record["units_per_rank"].append(assignment.units_per_rank())
     return record
 
@@ -92,9 +90,8 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
 def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
     """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``)."""
     module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync")
-    _, optimizer = fabric.setup(module, module.configure_optimizers())
-    with gathered_parameters(module.policy):
-        theta0 = module.layout.values()
+    theta0 = module.layout.values()
+    optimizer = _set_up(fabric, module)
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
     start = time.perf_counter()
@@ -111,11 +108,8 @@ def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
     except RankFailureError as exc:
         error = exc
     seconds = time.perf_counter() - start
-    if case != "die-ingest":  # a ZeRO-3 gather needs the peer, which is gone after die-ingest
-        with gathered_parameters(module.policy):
-            unchanged = torch.equal(module.layout.values(), theta0)
-    else:
-        unchanged = torch.equal(module.layout.values(), theta0)
+    # a ZeRO-3 or FSDP gather needs the peer, which is gone after die-ingest (run die-ingest under ddp only)
+    unchanged = torch.equal(full_values(module), theta0)
     return {
         "error_type": type(error).__name__,
         "error": str(error),
@@ -160,8 +154,35 @@ def publishing_case(fabric) -> dict:
     return {"versions": engine.versions, "errors": errors}
 
 
+def _set_up(fabric, module: StreamingPolicyModule):
+    """Fabric set-up of the module and its optimizer (FSDP2 replaces the parameters: optimizer after the module)."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    if isinstance(fabric.strategy, ModelParallelStrategy):
+        fabric.setup_module(module)
+        return fabric.setup_optimizers(module.configure_optimizers())
+    return fabric.setup(module, module.configure_optimizers())[1]
+
+
+def full_values(module: StreamingPolicyModule) -> torch.Tensor:
+    """The whole θ on every rank (a collective under ZeRO-3 and FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    with gathered_parameters(module.policy):
+        return torch.cat(
+            [
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).to("cpu", torch.float64)
+                for p in module.layout.parameters
+            ]
+        )
+
+
 def _strategy(name: str):
     timeout = timedelta(seconds=TIMEOUT_S)
+    if name == "fsdp":
+        from tslightning.learner_strategy import LearnerSettings, learner_strategy
+
+        return learner_strategy(LearnerSettings(devices=2, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
     if name == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 

@@ -116,46 +116,58 @@ def test_deepspeed_zero2_two_ranks_equal_one_process_float32(tmp_path):
         _check_against_one_process(tmp_path, "deepspeed_stage_2", case)
 
 
-@pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    out = tmp_path_factory.mktemp("zero3")
-    done = _launch(out, "deepspeed_stage_3", "grpo-thundersync", "opd-thundersync", "grpo-sync", "fail-ingest")
+SHARDED_CASES = ["grpo-thundersync", "opd-thundersync", "grpo-sync", "opd-sync"]
+
+
+@pytest.fixture(scope="module", params=["deepspeed_stage_3", "fsdp"])
+def sharded_run(request, tmp_path_factory):
+    """ZeRO-3 (float32) and FSDP2 (float64): parameters sharded across the 2 ranks, sources served in lock-step."""
+    if request.param.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp(request.param)
+    done = _launch(out, request.param, *SHARDED_CASES, "fail-ingest")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+    return out, request.param
 
 
-@pytest.mark.parametrize("case", ["grpo-thundersync", "opd-thundersync", "grpo-sync"])
-def test_deepspeed_zero3_two_ranks_equal_one_process_float32(zero3_run, case):
-    """ZeRO-3 partitions the parameters: uneven per-rank streams run in lock-step ticks, idle passes included."""
-    _check_against_one_process(zero3_run, "deepspeed_stage_3", case)
-    ranks = [_load(zero3_run, "deepspeed_stage_3", case, r) for r in (0, 1)]
+@pytest.mark.parametrize("case", SHARDED_CASES)
+def test_sharded_parameters_two_ranks_equal_one_process(sharded_run, case):
+    """Uneven per-rank streams under sharded parameters run in lock-step ticks, idle passes included; the update is
+    the single process's (float64 ≤ 1e-10 under FSDP2, float32 under ZeRO-3)."""
+    out, strategy = sharded_run
+    _check_against_one_process(out, strategy, case)
+    ranks = [_load(out, strategy, case, r) for r in (0, 1)]
     assert len(ranks[0]["lockstep"]) == 2  # one lock-step record per update
+    idle_anywhere = 0
     for k in range(2):
         (ticks0, idle0, sources0), (ticks1, idle1, sources1) = (r["lockstep"][k] for r in ranks)
         assert ticks0 == ticks1  # every pass paired with one on the other rank
-        assert max(idle0, idle1) > 0  # uneven shares and orders: a rank ran idle passes to keep the gathers paired
+        idle_anywhere += idle0 + idle1
         # real passes: one per source (thundersync) or per padded micro-batch of 8 (sync)
         per_pass = 8 if case.endswith("-sync") else 1
         assert ticks0 - idle0 == -(-sources0 // per_pass) and ticks1 - idle1 == -(-sources1 // per_pass)
+    assert idle_anywhere > 0  # uneven shares and orders: some rank ran idle passes to keep the gathers paired
 
 
-def test_rank_failure_under_zero3_lockstep_fails_every_rank(zero3_run):
+def test_rank_failure_under_lockstep_fails_every_rank(sharded_run):
+    out, strategy = sharded_run
     for rank in (0, 1):
-        record = _load(zero3_run, "deepspeed_stage_3", "fail-ingest", rank)
+        record = _load(out, strategy, "fail-ingest", rank)
         assert record["error_type"] == "RankFailureError", record
         assert "update 0 failed on learner rank(s) [1] of 2" in record["error"]
         assert record["unchanged"] and record["policy_version"] == 0
         assert record["seconds"] < TIMEOUT_S
 
 
-def test_fit_with_zero3_on_two_ranks_trains_and_publishes(tmp_path):
-    """`tslightning fit` end to end on 2 gloo ranks with ZeRO-3: lock-step learner, gathered publication."""
-    pytest.importorskip("deepspeed")
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "fsdp"])
+def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path, strategy):
+    """`tslightning fit` end to end on 2 gloo ranks with ZeRO-3 or FSDP2: lock-step learner, gathered publication."""
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
     out = tmp_path / "run"
     command = [
         sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
-        "--learner.devices", "2", "--learner.strategy", "deepspeed_stage_3", "--checkpoint.enabled", "false",
+        "--learner.devices", "2", "--learner.strategy", strategy, "--checkpoint.enabled", "false",
         "--updates", "2", "--warm_start.steps", "50", "--progress", "false", "--out_dir", str(out),
     ]  # fmt: skip
     done = subprocess.run(

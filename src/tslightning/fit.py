@@ -134,6 +134,12 @@ class WarmStartSettings:
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
 
 
+_PARTITIONED = ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp")
+"""Learner strategies that partition the optimizer state across ranks."""
+_SHARDED_PARAMETERS = ("deepspeed_stage_3", "fsdp")
+"""... and the parameters too (each forward gathers them: lock-step ticks)."""
+
+
 @dataclass
 class CheckpointSettings:
     """GPU-clock checkpoints (SPEC §4), each written at the next optimizer boundary; resume with ``--resume DIR``."""
@@ -149,8 +155,8 @@ class CheckpointSettings:
     save_last: bool = True
     """Also checkpoint the final update."""
     enabled: bool = True
-    """Write checkpoints at all; must be ``false`` with a DeepSpeed learner strategy (its ZeRO optimizer state is
-    partitioned across ranks, and a checkpoint holds rank 0's replicated state)."""
+    """Write checkpoints at all; must be ``false`` with a DeepSpeed or FSDP learner strategy (they partition the
+    optimizer state across ranks, and a checkpoint holds rank 0's replicated state)."""
 
 
 @dataclass
@@ -232,14 +238,14 @@ def fit(
             "runs the recompute learner (set context_backward: recompute)"
         )
     problems = learner.problems(schedule)
-    if learner.strategy.startswith("deepspeed") and (checkpoint.enabled or resume is not None):
+    if learner.strategy in _PARTITIONED and (checkpoint.enabled or resume is not None):
         problems.append(
             f"learner.strategy {learner.strategy!r} partitions the optimizer state across ranks, which GPU-clock "
             "checkpoints (rank 0's replicated state) would lose: set checkpoint.enabled=false and no resume"
         )
-    if learner.strategy == "deepspeed_stage_3" and context_backward == "boundary":
+    if learner.strategy in _SHARDED_PARAMETERS and context_backward == "boundary":
         problems.append(
-            "learner.strategy 'deepspeed_stage_3' serves sources in lock-step, one policy pass each; the boundary "
+            f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
             "context backward runs several per source: set context_backward=recompute"
         )
     if problems:
@@ -268,7 +274,7 @@ def fit(
         max_concurrent_attempts=rollout.max_concurrent_attempts,
     )
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
-    zero = learner.strategy.startswith("deepspeed")  # ZeRO's gradients live in its engine: the module clips
+    zero = learner.strategy in _PARTITIONED  # gradients live in ZeRO's engine or in shards: the module clips
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=learner.devices,
@@ -301,7 +307,11 @@ def fit(
         context_backward=context_backward,
     )
     # The loop calls the module itself, not Fabric's wrapper: per-source forwards bypass DDP's (the barrier reduces).
-    _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
+    if learner.strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
+        fabric.setup_module(module)
+        fabric_optimizer = fabric.setup_optimizers(module.configure_optimizers())
+    else:
+        _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
     try:
         first = 0 if resume is None else _resume(resume, fabric, module, fabric_optimizer, engine)
         return _run_updates(

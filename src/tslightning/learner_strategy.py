@@ -21,8 +21,8 @@ float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partitioned t
 in a collective, so the ranks serve their sources in lock-step ticks, :mod:`tslightning.lockstep`, with the
 ``recompute`` context backward) stream exactly on several ranks. DeepSpeed partitions the optimizer state, which the
 GPU-clock checkpoint (rank 0's replicated copy) cannot hold, so ``fit`` needs ``checkpoint.enabled=false`` with them.
-``fsdp`` is constructed here but ``fit`` refuses it: its per-layer unshard and reduce-scatter run inside the FSDP
-wrapper's forward and the engine-side ``backward``, not the per-source ``torch.autograd.grad`` the learner takes.
+``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's ``ModelParallelStrategy``
+(:mod:`tslightning.fsdp_gradients`; float64 too, on CPU over gloo); like ZeRO-3 it serves sources in lock-step.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class LearnerSettings:
     """Nodes; launch one process per device on each (torchrun or SLURM, see the module docstring)."""
     strategy: StrategyName = "auto"
     """``auto`` (one rank: no strategy; several: ``ddp``), ``ddp``, ``deepspeed_stage_2`` (also on CPU, over gloo);
-    ``deepspeed_stage_3`` (lock-step ticks; ``context_backward=recompute``); ``fsdp`` is refused (see the module
-    docstring)."""
+    ``deepspeed_stage_3`` and ``fsdp`` (FSDP2; both shard the parameters, serve sources in lock-step ticks and need
+    ``context_backward=recompute``)."""
     timeout_s: float = 1800.0
     """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
     cpus: list[int] | None = None
@@ -63,11 +63,6 @@ class LearnerSettings:
             problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
         if not self.timeout_s > 0:
             problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
-        if self.strategy == "fsdp":
-            problems.append(
-                "learner.strategy 'fsdp' unshards and reduce-scatters inside the FSDP wrapper's forward and backward, "
-                "which the per-source learner passes bypass; use deepspeed_stage_3 for sharded parameters, or ddp"
-            )
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
         return problems
@@ -75,7 +70,9 @@ class LearnerSettings:
 
 def learner_strategy(settings: LearnerSettings, accelerator: str):
     """The Fabric strategy for ``settings`` on ``accelerator`` (a name Fabric accepts, or a strategy object)."""
-    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+
+    from tslightning.fsdp_gradients import shard_policy
 
     timeout = timedelta(seconds=settings.timeout_s)
     on_cpu = accelerator == "cpu"
@@ -84,7 +81,13 @@ def learner_strategy(settings: LearnerSettings, accelerator: str):
     if settings.strategy in ("auto", "ddp"):
         return DDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
     if settings.strategy == "fsdp":
-        return FSDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
+        return ModelParallelStrategy(
+            shard_policy,
+            data_parallel_size=settings.world_size,
+            tensor_parallel_size=1,
+            process_group_backend="gloo" if on_cpu else None,
+            timeout=timeout,
+        )
     stage = 2 if settings.strategy == "deepspeed_stage_2" else 3
     if on_cpu:
         from tslightning.deepspeed_cpu import CPUDeepSpeedStrategy

@@ -27,6 +27,22 @@ class ParameterLayout:
             self._slices.append(slice(offset, offset + p.numel()))
             offset += p.numel()
 
+    def rebind(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Point at new parameter objects of the same model (a sharding strategy replaced them), in place, so every
+        holder of :attr:`parameters` sees them.
+
+        Raises:
+            ValueError: if the trainable parameters' count or full shapes differ.
+        """
+        new = [p for p in parameters if p.requires_grad]
+        shapes = [p.shape for p in new]
+        if shapes != self.shapes:
+            raise ValueError(
+                f"rebind: the new trainable parameters have shapes {shapes[:4]}... ({len(new)} tensors); the layout "
+                f"was built for {self.shapes[:4]}... ({len(self.shapes)}); rebind only the same model's parameters"
+            )
+        self.parameters[:] = new
+
     def zeros(self, dtype: torch.dtype) -> torch.Tensor:
         """A new flat zero vector on the host (where the paper keeps FP32 statistics, App. D.3)."""
         return torch.zeros(self.numel, dtype=dtype, device="cpu")

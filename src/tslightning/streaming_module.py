@@ -13,7 +13,7 @@ turns); learner cost per source is one forward and backward over all of ``token_
 ``context_backward="boundary"`` (thundersync) each context runs once instead and later sources' boundary adjoints
 are back-propagated through it when its group or trajectory closes (App. I, :mod:`tslightning.boundary_adjoint`).
 
-On several ranks with partitioned parameters (DeepSpeed ZeRO-3) every per-source pass gathers each layer in a
+On several ranks with partitioned parameters (DeepSpeed ZeRO-3, FSDP2) every per-source pass gathers each layer in a
 collective, so learner work is queued and served in lock-step ticks across ranks (:mod:`tslightning.lockstep`).
 """
 
@@ -40,6 +40,7 @@ from tslightning.advantages import (
 )
 from tslightning.batch_registry import BatchPlan, BatchRegistry, Objective
 from tslightning.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
+from tslightning.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.group_accumulator import GroupAccumulator, GroupReduction
 from tslightning.group_admission import GroupAdmission
 from tslightning.parameter_layout import ParameterLayout
@@ -335,13 +336,18 @@ class StreamingPolicyModule(L.LightningModule):
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
             )
         zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
-        if zero is None:
+        fsdp = self._fsdp  # FSDP2: each rank writes its shard of the (clipped) direction
+        coefficient = clip_coefficient(norm, self.max_grad_norm)
+        if fsdp:
+            write_direction(self.layout, direction, scale=-coefficient)
+        elif zero is None:
             self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
         if before_step is not None:
             before_step()
         if zero is not None:
-            coefficient = clip_coefficient(norm, self.max_grad_norm)
             backward_direction(zero, self, self.layout, direction, scale=-coefficient)
+            applied = coefficient * norm
+        elif fsdp:
             applied = coefficient * norm
         else:
             if self.max_grad_norm is not None:
@@ -407,7 +413,7 @@ class StreamingPolicyModule(L.LightningModule):
         else:
             logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
-            grads = self._fill_unused(torch.autograd.grad(score, self.layout.parameters, allow_unused=True))
+            grads = self._fill_unused(torch.autograd.grad(score, self._leaves(), allow_unused=True))
         self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
@@ -423,7 +429,7 @@ class StreamingPolicyModule(L.LightningModule):
             return
         logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
-        grads = torch.autograd.grad((advantage * logp).sum(), self.layout.parameters, allow_unused=True)
+        grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
         self.turns.add(self._fill_unused(grads), source.num_scored)
 
     def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
@@ -462,7 +468,7 @@ class StreamingPolicyModule(L.LightningModule):
                 (torch.exp(lp - lp.detach()) * (s.teacher_logprobs.to(lp) - lp.detach())).sum()
                 for s, lp in zip(chunk, logps, strict=True)
             )
-        grads = self._fill_unused(torch.autograd.grad(objective, self.layout.parameters, allow_unused=True))
+        grads = self._fill_unused(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
         if self.objective is Objective.GRPO:
             self.layout.add_(self.groups.batch, grads)
         else:
@@ -479,17 +485,17 @@ class StreamingPolicyModule(L.LightningModule):
         """A lock-step tick's pass for a rank with no queued work: the collectives of one forward and backward."""
         tokens = torch.zeros(2, dtype=torch.long)
         logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
-        torch.autograd.grad(logp.sum(), self.layout.parameters, allow_unused=True)  # discarded: nothing is folded
+        torch.autograd.grad(logp.sum(), self._leaves(), allow_unused=True)  # discarded: nothing is folded
         release_pass_leftovers(self)
 
     def _lockstep_ticks(self) -> LockstepTicks | None:
-        sharded = partitions_parameters(self.policy)
+        sharded = partitions_parameters(self.policy) or self._fsdp
         if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return None
         if self.context_backward is not ContextBackward.RECOMPUTE:
             raise ValueError(
                 "context_backward='boundary' runs a different number of policy passes per source than other ranks, "
-                "which ZeRO-3's lock-step gathers cannot pair up; use context_backward='recompute' with ZeRO-3"
+                "which lock-step parameter gathers (ZeRO-3, FSDP) cannot pair up; use context_backward='recompute'"
             )
         return LockstepTicks(self._idle_pass)
 
@@ -570,7 +576,20 @@ class StreamingPolicyModule(L.LightningModule):
             )
 
     def _fill_unused(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.layout.parameters, grads, strict=True)]
+        return [
+            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
+            for p, shape, g in zip(self.layout.parameters, self.layout.shapes, grads, strict=True)
+        ]
+
+    def _leaves(self) -> list[torch.Tensor]:
+        """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""
+        if self._fsdp:
+            return gradient_leaves(self.policy, self.layout.parameters)
+        return self.layout.parameters
+
+    @property
+    def _fsdp(self) -> bool:
+        return shards_parameters(self.policy)
 
 
 def _source_key(source: Source) -> tuple:

@@ -256,5 +256,5 @@ def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_pat
 
     callback = GPUClockCheckpoint(tmp_path, 3600.0)
     trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))
-    with pytest.raises(ValueError, match="DeepSpeed ZeRO partitions them across ranks"):
+    with pytest.raises(ValueError, match="CPUDeepSpeedStrategy partitions them across ranks"):
         callback.on_train_start(trainer, None)

@@ -127,14 +127,14 @@ class GPUClockCheckpoint(Checkpoint):
         """The GPU-clock starts (or, after a resume, continues from the restored reading).
 
         Raises:
-            ValueError: under a DeepSpeed strategy, whose ZeRO optimizer state (and ZeRO-3 parameters) are
-                partitioned across ranks: a checkpoint of rank 0's state would lose the other ranks' partitions.
+            ValueError: under a DeepSpeed or model-parallel (FSDP2) strategy, whose optimizer state (and ZeRO-3 or
+                FSDP parameters) are partitioned across ranks: rank 0's state would lose the other partitions.
         """
-        if _is_deepspeed(getattr(trainer, "strategy", None)):
+        if _partitions_state(getattr(trainer, "strategy", None)):
             raise ValueError(
-                "GPUClockCheckpoint writes rank 0's replicated module and optimizer state; DeepSpeed ZeRO partitions "
-                "them across ranks, so the checkpoint would lose the other partitions. Remove this callback (fit: "
-                "checkpoint.enabled=false) or use a replicated strategy (ddp)"
+                f"GPUClockCheckpoint writes rank 0's replicated module and optimizer state; {type(trainer.strategy).__name__} "
+                "partitions them across ranks, so the checkpoint would lose the other partitions. Remove this callback "
+                "(fit: checkpoint.enabled=false) or use a replicated strategy (ddp)"
             )
         self._world_devices = trainer.world_size
         self._started_at = self.clock()
@@ -322,8 +322,16 @@ def _sum_over_ranks(trainer: L.Trainer | L.Fabric, values: list[int]) -> list[in
     return [round(v) for v in reduce(tensor, reduce_op="sum").tolist()]
 
 
-def _is_deepspeed(strategy: Any) -> bool:
-    from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeed
-    from lightning.pytorch.strategies import DeepSpeedStrategy as TrainerDeepSpeed
+def _partitions_state(strategy: Any) -> bool:
+    from lightning.fabric import strategies as fabric
+    from lightning.pytorch import strategies as trainer
 
-    return isinstance(strategy, FabricDeepSpeed | TrainerDeepSpeed)
+    partitioned = (
+        fabric.DeepSpeedStrategy,
+        fabric.FSDPStrategy,
+        fabric.ModelParallelStrategy,
+        trainer.DeepSpeedStrategy,
+        trainer.FSDPStrategy,
+        trainer.ModelParallelStrategy,
+    )
+    return isinstance(strategy, partitioned)

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
+from tslightning.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.sources import BatchClosed
 from tslightning.zero_gradients import gathered_parameters, partitions_parameters
 
@@ -127,8 +128,11 @@ class WeightPublisher(L.Callback):
 
 
 def _full_weights(policy: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
-    """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3, where every
-    rank gathers the partitioned parameters now (a collective) and keeps a full host copy for the publishing rank."""
+    """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3 or FSDP2, where
+    every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank."""
+    if shards_parameters(policy):
+        state = full_state_dict(policy)
+        return lambda: state
     if not partitions_parameters(policy):
         return lambda: publishable_state_dict(policy)
     with gathered_parameters(policy):
