@@ -34,7 +34,12 @@ from tslightning.zero_gradients import gathered_parameters
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
 UPDATES = 2
 TIMEOUT_S = 30
-DTYPES = {"ddp": torch.float64, "fsdp": torch.float64, "deepspeed_stage_2": torch.float32, "deepspeed_stage_3": torch.float32}
+DTYPES = {
+    "ddp": torch.float64,
+    "fsdp": torch.float64,
+    "deepspeed_stage_2": torch.float32,
+    "deepspeed_stage_3": torch.float32,
+}
 """DeepSpeed computes in at most float32 (its engine's model dtype; ZeRO reduce-scatters fp16/bf16/fp32 only)."""
 
 

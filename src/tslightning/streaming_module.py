@@ -43,6 +43,7 @@ from tslightning.boundary_adjoint import ContextBackward, SharedPromptBackward, 
 from tslightning.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.group_accumulator import GroupAccumulator, GroupReduction
 from tslightning.group_admission import GroupAdmission
+from tslightning.lockstep import LockstepTicks
 from tslightning.parameter_layout import ParameterLayout
 from tslightning.rank_failure import agree_to_step, reported_to_ranks
 from tslightning.scored_logprobs import batched_scored_logprobs, scored_logprobs
@@ -58,7 +59,6 @@ from tslightning.sources import (
     TurnSource,
 )
 from tslightning.turn_accumulator import TurnAccumulator
-from tslightning.lockstep import LockstepTicks
 from tslightning.zero_gradients import (
     backward_direction,
     clip_coefficient,

@@ -131,10 +131,11 @@ class GPUClockCheckpoint(Checkpoint):
                 FSDP parameters) are partitioned across ranks: rank 0's state would lose the other partitions.
         """
         if _partitions_state(getattr(trainer, "strategy", None)):
+            name = type(trainer.strategy).__name__
             raise ValueError(
-                f"GPUClockCheckpoint writes rank 0's replicated module and optimizer state; {type(trainer.strategy).__name__} "
-                "partitions them across ranks, so the checkpoint would lose the other partitions. Remove this callback "
-                "(fit: checkpoint.enabled=false) or use a replicated strategy (ddp)"
+                f"GPUClockCheckpoint writes rank 0's replicated module and optimizer state; {name} partitions them "
+                "across ranks, so the checkpoint would lose the other partitions. Remove this callback (fit: "
+                "checkpoint.enabled=false) or use a replicated strategy (ddp)"
             )
         self._world_devices = trainer.world_size
         self._started_at = self.clock()

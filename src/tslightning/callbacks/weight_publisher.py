@@ -16,8 +16,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
 from tslightning.fsdp_gradients import full_state_dict, shards_parameters
+from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
 from tslightning.sources import BatchClosed
 from tslightning.zero_gradients import gathered_parameters, partitions_parameters
 
