@@ -354,7 +354,7 @@ def _run_updates(
                 _one_update(fabric, module, optimizer, datamodule.stream_update(update), update)
             else:
                 prefetched = _one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
-            _record_update(fabric, datamodule, result, update, start, schedule, bar)
+            _record_update(fabric, module, datamodule, result, update, start, schedule, bar)
     finally:
         if continuous is not None:
             continuous.close()  # stops the producer
@@ -362,24 +362,35 @@ def _run_updates(
     result.peak_learner_memory_mb = _peak_memory_mb(fabric.device)
     for logger in fabric.loggers:
         logger.finalize("success")
-    (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+    if fabric.global_rank == 0:  # the ranks share out_dir; the rewards are already over every rank's share
+        (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
     if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
         plot_timeline(out / "trace", out / "timeline.png")
     return result
 
 
-def _record_update(fabric, datamodule, result: FitResult, update: int, start: float, schedule: str, bar) -> None:
-    """Reward, step time and schedule metrics of one finished update."""
-    rewards = [t.reward for t in datamodule.trajectories[update] if t.reward is not None]
-    result.mean_rewards.append(sum(rewards) / max(len(rewards), 1))
+def _record_update(
+    fabric, module, datamodule, result: FitResult, update: int, start: float, schedule: str, bar
+) -> None:
+    """Reward, step time and schedule metrics of one finished update, over every rank's share (a collective)."""
+    trajectories = datamodule.trajectories[update]
+    rewards = [t.reward for t in trajectories if t.reward is not None]
+    gap, tokens = map(sum, zip(*(t.teacher_gap() for t in trajectories), strict=True)) if trajectories else (0, 0)
+    totals = torch.tensor([sum(rewards), len(rewards), gap, tokens], dtype=torch.float64)
+    if fabric.world_size > 1:
+        totals = fabric.all_reduce(totals, reduce_op="sum")
+    reward_sum, num_rewards, gap, tokens = totals.tolist()
+    result.mean_rewards.append(reward_sum / max(num_rewards, 1))
     result.step_seconds.append(time.perf_counter() - start)
     metrics = {"train/mean_reward": result.mean_rewards[-1]}
     if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
         metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
-    gap, tokens = map(sum, zip(*(t.teacher_gap() for t in datamodule.trajectories[update]), strict=True))
     if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
         metrics["train/teacher_logprob_gap"] = gap / tokens
         result.teacher_gaps.append(gap / tokens)
+    if module.max_grad_norm is not None and module.last_update is not None:  # the module clipped (ZeRO, FSDP)
+        metrics["actor/grad_norm"] = module.last_update.direction_norm
+        metrics["actor/grad_clip_coef"] = module.last_update.clip_coefficient
     fabric.log_dict(metrics, step=update)
     bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
 
