@@ -44,8 +44,9 @@ class ParameterLayout:
         self.parameters[:] = new
 
     def zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        """A new flat zero vector on the host (where the paper keeps FP32 statistics, App. D.3)."""
-        return torch.zeros(self.numel, dtype=dtype, device="cpu")
+        """A new flat zero vector in host memory (where the paper keeps FP32 statistics, App. D.3), page-locked on
+        a CUDA machine so per-source gradients copy into it by DMA."""
+        return torch.zeros(self.numel, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
     def add_(self, flat: torch.Tensor, grads: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
         """``flat += alpha * grads`` where ``grads`` follows :attr:`parameters` (as from ``torch.autograd.grad``)."""
