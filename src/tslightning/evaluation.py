@@ -29,6 +29,7 @@ from tslightning.checkpoint_state import META_FILE, STATE_FILE, checkpoint_dirs,
 from tslightning.fit import RolloutSettings, _agent_limits, _start_engine, _training_tasks
 from tslightning.pass_at_k import PassAtK
 from tslightning.rollout.agent_loop import AgentLoop, PromptTooLong
+from tslightning.rollout.tool_threads import run_with_tool_threads
 from tslightning.sandbox import Backend
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
@@ -135,8 +136,9 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         rollout_engine = _start_engine(settings, policy_dir, dtype)
         stack.callback(rollout_engine.close)
         agent = AgentLoop(rollout_engine, tokenizer, _agent_limits(settings), run_seed=seed)
-        records = asyncio.run(
-            _run_attempts(agent, task_list, attempts, max_concurrent_attempts, sandbox_factory(backend))
+        records = run_with_tool_threads(
+            _run_attempts(agent, task_list, attempts, max_concurrent_attempts, sandbox_factory(backend)),
+            max_concurrent_attempts,
         )
     report = _report(records, task_list, ks)
     report["checkpoint"] = {"path": str(source), **_checkpoint_record(source)}

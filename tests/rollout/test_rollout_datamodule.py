@@ -4,6 +4,7 @@ come by the streaming learner — whose update equals the batch-synchronous one 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -207,3 +208,46 @@ def test_each_rank_rolls_out_only_its_share_with_the_global_prompt_count(tokeniz
 def test_rank_outside_the_world_is_reported(tokenizer):
     with pytest.raises(ValueError, match="rank must be in"):
         datamodule(tokenizer, rank=2, world_size=2)
+
+
+def test_every_attempt_in_flight_gets_a_thread_for_its_tool_call(tokenizer):
+    """16 attempts' tool calls block together (a barrier all 16 must reach): the default 6-thread executor of a
+    2-core machine would serialize them, so a rollout finishing at all proves one thread per attempt in flight."""
+    attempts = 16
+    barrier = threading.Barrier(attempts, timeout=20)
+
+    class BarrierAttempt(RecordingAttempt):
+        def run_command(self, command: str):
+            barrier.wait()  # BrokenBarrierError after 20 s if fewer threads than attempts
+            return super().run_command(command)
+
+    @contextlib.contextmanager
+    def open_attempt(task):
+        yield BarrierAttempt()
+
+    replies = {i: ["<bash>ls</bash>", "<finish/>"] for i in range(4)}
+    dm = RolloutDataModule(
+        ScriptedEngine(tokenizer, replies),
+        tokenizer,
+        TASKS,
+        open_attempt,
+        "grpo",
+        prompts_per_update=4,
+        samples_per_prompt=4,
+        run_seed=1,
+        max_concurrent_attempts=attempts,
+    )
+    items = list(dm.stream_update(0))
+    assert sum(isinstance(i, TrajectorySource) for i in items) == attempts
+    assert not barrier.broken
+
+
+def test_tool_threads_refuse_a_non_positive_concurrency():
+    from tslightning.rollout.tool_threads import run_with_tool_threads
+
+    async def nothing():
+        return 1
+
+    assert run_with_tool_threads(nothing(), 1) == 1
+    with pytest.raises(ValueError, match="max_concurrent_attempts must be >= 1; got 0"):
+        run_with_tool_threads(nothing(), 0)

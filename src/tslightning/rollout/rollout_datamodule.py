@@ -27,6 +27,7 @@ from tslightning.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.teacher import TeacherScorer
+from tslightning.rollout.tool_threads import run_with_tool_threads
 from tslightning.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
 
 
@@ -242,7 +243,7 @@ class RolloutDataModule(L.LightningDataModule):
             await asyncio.gather(*running)
 
         try:
-            asyncio.run(run())
+            run_with_tool_threads(run(), self.max_concurrent_attempts + 1)  # + the capacity wait's thread
         except BaseException as error:
             completed.put(_Failure(error))
 
@@ -275,7 +276,7 @@ class RolloutDataModule(L.LightningDataModule):
             ready.put(item)
 
         try:
-            trajectories = asyncio.run(self._rollout(update, tasks, emit))
+            trajectories = run_with_tool_threads(self._rollout(update, tasks, emit), self.max_concurrent_attempts)
             self.trajectories[update] = trajectories
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
