@@ -88,12 +88,12 @@ def bench(
         updates: Optimizer updates per run, warm-up included.
         warmup: Leading updates left out of every mean.
         out_dir: Each run writes to ``<out_dir>/<schedule>[-x<scale>]``.
-        latency_scales: Extra sync + thundersync runs with the ``simulated_tool`` median latency multiplied by each
-            scale (the rollout/learner ratio sweep).
+        latency_scales: Extra sync + thundersync runs with the ``simulated_tool`` median latencies (tool calls and
+            reward check) multiplied by each scale (the rollout/learner ratio sweep).
         overrides: Further ``fit`` command-line overrides for every run (e.g. ``--rollout.replicas=2``).
     """
     _check_arguments(schedules, updates, warmup)
-    base_latency = _config_latency(config) if latency_scales else None
+    base_latencies = _config_latencies(config) if latency_scales else {}
     runs = [(s, 1.0) for s in schedules]
     runs += [(s, scale) for scale in latency_scales for s in ("sync", "thundersync")]
     measured = []
@@ -102,7 +102,7 @@ def bench(
         run_dir = Path(out_dir) / name
         extra = list(overrides)
         if scale != 1.0:
-            extra.append(f"--rollout.simulated_tool.median_latency_s={base_latency * scale}")
+            extra += [f"--rollout.simulated_tool.{key}={value * scale}" for key, value in base_latencies.items()]
         _run_fit(config, schedule, updates, run_dir, extra)
         measured.append(measure_run(run_dir, schedule, warmup, scale))
     return _with_sync_ratios(measured)
@@ -252,7 +252,8 @@ def _first_version(records: list[dict]) -> int:
     return min(r["update"] for r in records if r["record"] == "update")
 
 
-def _config_latency(config: str) -> float:
+def _config_latencies(config: str) -> dict[str, float]:
+    """The config's simulated-tool median latencies a ratio sweep scales: tool calls and the reward check."""
     import yaml
 
     settings = yaml.safe_load(Path(config).read_text()) or {}
@@ -264,7 +265,9 @@ def _config_latency(config: str) -> float:
         )
     from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
-    return float((rollout.get("simulated_tool") or {}).get("median_latency_s", SimulatedToolSettings.median_latency_s))
+    tool = rollout.get("simulated_tool") or {}
+    keys = ("median_latency_s", "verify_median_latency_s")
+    return {key: float(tool.get(key, getattr(SimulatedToolSettings, key))) for key in keys}
 
 
 def _check_arguments(schedules: Sequence[str], updates: int, warmup: int) -> None:

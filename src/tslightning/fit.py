@@ -99,8 +99,8 @@ class RolloutSettings:
     prefix_cache_tokens: int = 65536
     """K/V token positions one ``hf`` replica keeps for multi-turn prefix reuse (0: re-prefill every turn)."""
     cpus: list[int] | None = None
-    """CPU cores the rollout replicas run on (``hf`` engine; ``None``: anywhere). Give the learner other cores
-    (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
+    """CPU cores the rollout replicas (``hf`` engine) and the agent loop's threads run on (``None``: anywhere). Give
+    the learner other cores (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
     environment: Literal["terminal", "simulated_tool"] = "terminal"
     """``terminal``: sandboxed terminal tasks; ``simulated_tool``: the benchmark's gauge tasks, whose tool calls
     sleep a seeded latency (:mod:`tslightning.tasks.simulated_tool`; ``tasks`` and ``split`` do not apply)."""
@@ -272,6 +272,7 @@ def fit(
         teacher,
         seed,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
+        cpus=rollout.cpus,  # the agent loop beside its replicas, not on the learner's cores
     )
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     zero = learner.strategy in _PARTITIONED  # gradients live in ZeRO's engine or in shards: the module clips

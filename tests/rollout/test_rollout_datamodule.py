@@ -249,5 +249,25 @@ def test_tool_threads_refuse_a_non_positive_concurrency():
         return 1
 
     assert run_with_tool_threads(nothing(), 1) == 1
-    with pytest.raises(ValueError, match="max_concurrent_attempts must be >= 1; got 0"):
+    with pytest.raises(ValueError, match="max_concurrent_attempts must be >= 1"):
         run_with_tool_threads(nothing(), 0)
+
+
+def test_tool_threads_run_the_loop_and_its_tool_calls_on_the_given_cores():
+    import asyncio
+    import os
+
+    from tslightning.rollout.tool_threads import run_with_tool_threads
+
+    core = min(os.sched_getaffinity(0))
+
+    async def where() -> tuple[set[int], set[int]]:
+        return os.sched_getaffinity(0), await asyncio.to_thread(os.sched_getaffinity, 0)
+
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(placed=run_with_tool_threads(where(), 2, [core])))
+    thread.start()  # its own thread: placement is per thread, and pytest's stays as it was
+    thread.join()
+    assert seen["placed"] == ({core}, {core})
+    with pytest.raises(ValueError, match="cpus None or non-empty"):
+        run_with_tool_threads(where(), 2, [])

@@ -71,6 +71,26 @@ def test_a_call_sleeps_its_latency_within_the_cap():
     assert time.perf_counter() - start >= 0.02 and attempt.tool_seconds == pytest.approx(0.02)
 
 
+def test_the_reward_check_sleeps_a_seeded_latency_independent_of_the_reads():
+    config = settings(verify_median_latency_s=0.01, verify_latency_sigma=1.0, max_verify_latency_s=0.03)
+    env = SimulatedToolEnvironment(config)
+    task = simulated_tasks(config)[0]
+    attempts = [env(task) for _ in range(12)]
+    for attempt in attempts[:6]:
+        attempt.run_command(GAUGE_COMMAND)
+    waits = []
+    for attempt in attempts:
+        before = attempt.tool_seconds
+        attempt.verify()
+        waits.append(attempt.tool_seconds - before)
+    assert all(0 < w <= 0.03 for w in waits) and len(set(waits)) > 3  # spread, capped
+    again = SimulatedToolEnvironment(config)(task)
+    again.verify()
+    assert again.tool_seconds == waits[0]  # a pure function of (seed, task, ordinal)
+    immediate = SimulatedToolEnvironment(settings())(task)
+    assert immediate.verify() == 0.0 and immediate.tool_seconds == 0.0
+
+
 def test_other_commands_fail_and_do_not_count_as_reads():
     attempt = SimulatedToolEnvironment(settings())(simulated_tasks(settings())[0])
     outcome = attempt.run_command("ls /app")
@@ -109,6 +129,8 @@ def test_demonstration_readings_have_the_lengths_the_tool_returns():
         ("median_latency_s", -1.0),
         ("max_latency_s", 0.0001),
         ("max_reading_chars", 1),
+        ("verify_median_latency_s", -1.0),
+        ("verify_latency_sigma", -0.5),
     ],
 )
 def test_bad_settings_name_the_field(field, value):

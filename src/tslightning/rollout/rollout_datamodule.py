@@ -79,6 +79,8 @@ class RolloutDataModule(L.LightningDataModule):
         rank: This learner rank's global rank: it rolls out only the groups (GRPO) or trajectories (OPD) that
             :mod:`tslightning.rank_assignment` gives it, with its own engine, and registers only those.
         world_size: Learner ranks sharing each logical batch of ``prompts_per_update`` prompts.
+        cpus: Cores the agent loop runs on (its event-loop thread and tool threads), e.g. the rollout replicas'
+            cores, so the loop's Python work does not compete with a learner in this process; ``None``: unchanged.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_concurrent_attempts: int = 16,
         rank: int = 0,
         world_size: int = 1,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.objective = Objective(objective)
@@ -109,6 +112,8 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append("objective 'opd' needs a teacher (TeacherScorer) to score turns")
         if max_concurrent_attempts < 1:
             problems.append("max_concurrent_attempts must be >= 1")
+        if cpus is not None and not cpus:
+            problems.append("cpus is empty: list at least one core, or None to leave placement alone")
         if not 0 <= rank < world_size:
             problems.append(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
         if problems:
@@ -123,6 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.run_seed = run_seed
         self.updates = updates
         self.max_concurrent_attempts = max_concurrent_attempts
+        self.cpus = None if cpus is None else list(cpus)
         self.rank = rank
         self.world_size = world_size
         self.tokenizer = tokenizer
@@ -243,7 +249,7 @@ class RolloutDataModule(L.LightningDataModule):
             await asyncio.gather(*running)
 
         try:
-            run_with_tool_threads(run(), self.max_concurrent_attempts + 1)  # + the capacity wait's thread
+            run_with_tool_threads(run(), self.max_concurrent_attempts + 1, self.cpus)  # + the capacity wait
         except BaseException as error:
             completed.put(_Failure(error))
 
@@ -276,7 +282,9 @@ class RolloutDataModule(L.LightningDataModule):
             ready.put(item)
 
         try:
-            trajectories = run_with_tool_threads(self._rollout(update, tasks, emit), self.max_concurrent_attempts)
+            trajectories = run_with_tool_threads(
+                self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
+            )
             self.trajectories[update] = trajectories
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed

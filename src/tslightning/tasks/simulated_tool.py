@@ -37,7 +37,9 @@ class SimulatedToolSettings:
 
     A call's latency is log-normal, ``median_latency_s · exp(attempt_latency_sigma · z_a + latency_sigma · z_c)``
     with z_a drawn once per attempt (a slow or fast environment) and z_c per call, both standard normal, capped at
-    ``max_latency_s``; multiply ``median_latency_s`` to sweep the rollout/learner ratio.
+    ``max_latency_s``; multiply ``median_latency_s`` to sweep the rollout/learner ratio. The reward check (a test
+    suite's run, App. C.1) takes ``verify_median_latency_s · exp(verify_latency_sigma · z_v)``, capped at
+    ``max_verify_latency_s``: a GRPO trajectory's learner work waits for it, whatever the trajectory's length.
     """
 
     num_tasks: int = 8
@@ -52,6 +54,12 @@ class SimulatedToolSettings:
     """Per-attempt log-normal shape: spreads whole trajectories' durations (and so their ready times)."""
     max_latency_s: float = 5.0
     """Cap on one call's latency (the tool timeout)."""
+    verify_median_latency_s: float = 0.0
+    """Median seconds the reward check takes after the last turn (0: the reward is immediate)."""
+    verify_latency_sigma: float = 1.0
+    """Log-normal shape of the reward check's latency (independent of the trajectory's length)."""
+    max_verify_latency_s: float = 30.0
+    """Cap on the reward check's latency (its timeout)."""
     min_reading_chars: int = 8
     """Shortest gauge reading returned (characters)."""
     max_reading_chars: int = 96
@@ -64,8 +72,12 @@ class SimulatedToolSettings:
         for name in ("num_tasks", "max_calls", "min_reading_chars"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.median_latency_s < 0 or self.latency_sigma < 0 or self.attempt_latency_sigma < 0:
-            problems.append("median_latency_s, latency_sigma and attempt_latency_sigma must be >= 0")
+        latencies = ("median_latency_s", "latency_sigma", "attempt_latency_sigma", "verify_median_latency_s")
+        for name in (*latencies, "verify_latency_sigma"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0; got {getattr(self, name)}")
+        if self.max_verify_latency_s < self.verify_median_latency_s:
+            problems.append(f"max_verify_latency_s ({self.max_verify_latency_s}) must be >= verify_median_latency_s")
         if self.max_latency_s < self.median_latency_s:
             problems.append(f"max_latency_s ({self.max_latency_s}) must be >= median_latency_s")
         if self.max_reading_chars < self.min_reading_chars:
@@ -173,6 +185,13 @@ class SimulatedToolAttempt:
         return GaugeOutcome(gauge_reading(self.calls, rng, self.settings), 0)
 
     def verify(self) -> float:
+        """The SETA reward of the reads made, after the reward check's seeded latency (slept, no CPU)."""
+        s = self.settings
+        if s.verify_median_latency_s > 0:
+            z = self._rng("verify").gauss(0.0, 1.0)
+            latency = min(s.max_verify_latency_s, s.verify_median_latency_s * math.exp(s.verify_latency_sigma * z))
+            time.sleep(latency)
+            self.tool_seconds += latency
         return gauge_reward(self.calls, self.task.target_calls)
 
     def close(self) -> None:
@@ -186,7 +205,7 @@ class SimulatedToolAttempt:
     ) -> None:
         self.close()
 
-    def _rng(self, call: int) -> random.Random:
+    def _rng(self, call: int | str) -> random.Random:
         key = f"{self.settings.seed}/{self.task.task_id}/{self.ordinal}/{call}".encode()
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
