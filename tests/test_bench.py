@@ -116,3 +116,11 @@ def test_bench_runs_schedules_side_by_side_and_writes_json_and_pictures(tmp_path
         assert m["peak_learner_memory_mb"] > 0 and (Path(m["out_dir"]) / "trace").is_dir()
     for name in ("timeline-sync.png", "timeline-thundersync.png", "predicted-vs-measured.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ratio_sweep_scales_the_tool_and_reward_check_latencies_of_the_config():
+    from tslightning.bench import _config_latencies
+
+    latencies = _config_latencies(str(CONFIG))
+    assert set(latencies) == {"median_latency_s", "verify_median_latency_s"}
+    assert latencies["median_latency_s"] > 0
