@@ -136,3 +136,12 @@ def test_demonstration_readings_have_the_lengths_the_tool_returns():
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         settings(**{field: value, **({"median_latency_s": 0.01} if field == "max_latency_s" else {})})
+
+
+def test_a_manual_of_the_given_length_opens_every_instruction():
+    tasks = simulated_tasks(settings(manual_chars=700))
+    manual = tasks[0].instruction.split("\n\n")[0]
+    assert len(manual) == 700 and GAUGE_COMMAND in manual
+    assert all(t.instruction.startswith(manual) for t in tasks)
+    assert tasks[1].instruction.endswith("Read the gauge 2 times with read-gauge, then finish.")
+    assert simulated_tasks(settings())[0].instruction == "Read the gauge once with read-gauge, then finish."

@@ -60,6 +60,10 @@ class SimulatedToolSettings:
     """Log-normal shape of the reward check's latency (independent of the trajectory's length)."""
     max_verify_latency_s: float = 30.0
     """Cap on the reward check's latency (its timeout)."""
+    manual_chars: int = 0
+    """Length of a gauge manual opening every task's instruction (characters; 0: none) — the long tool documentation
+    agent harnesses carry in every prompt: learner work every trajectory recomputes, while the rollout replica
+    reuses its prefill across turns (prefix cache)."""
     min_reading_chars: int = 8
     """Shortest gauge reading returned (characters)."""
     max_reading_chars: int = 96
@@ -92,6 +96,7 @@ class SimulatedToolTask:
 
     task_id: str
     target_calls: int
+    manual: str = ""
 
     @property
     def name(self) -> str:
@@ -104,7 +109,8 @@ class SimulatedToolTask:
     @property
     def instruction(self) -> str:
         times = "once" if self.target_calls == 1 else f"{self.target_calls} times"
-        return f"Read the gauge {times} with {GAUGE_COMMAND}, then finish."
+        task = f"Read the gauge {times} with {GAUGE_COMMAND}, then finish."
+        return f"{self.manual}\n\n{task}" if self.manual else task
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,19 @@ class GaugeOutcome:
 
 def simulated_tasks(settings: SimulatedToolSettings) -> list[SimulatedToolTask]:
     """The ``num_tasks`` gauge tasks; task i needs ``1 + i mod max_calls`` calls."""
-    return [SimulatedToolTask(f"gauge-{i}", 1 + i % settings.max_calls) for i in range(settings.num_tasks)]
+    manual = gauge_manual(settings.manual_chars)
+    return [SimulatedToolTask(f"gauge-{i}", 1 + i % settings.max_calls, manual) for i in range(settings.num_tasks)]
+
+
+def gauge_manual(chars: int) -> str:
+    """A gauge manual of exactly ``chars`` characters (its sentences repeated, then cut), the same for every task."""
+    sentences = (
+        f"The {GAUGE_COMMAND} command prints the current reading of the pressure gauge as a line of digits. "
+        "Each call takes a fresh reading; readings differ between calls and between gauges. "
+        "Run exactly as many reads as the task asks for, one command per turn, and finish when done. "
+        "Extra reads or missing reads lower the score; other commands are not available in this environment. "
+    )
+    return (sentences * (chars // len(sentences) + 1))[:chars]
 
 
 def gauge_reward(calls: int, target: int) -> float:
