@@ -9,7 +9,8 @@ while rollout and learner CPU work stay real.
 
 Latencies and readings are a pure function of (seed, task, attempt ordinal, call index): attempts of one task are
 numbered in the order the rollout DataModule opens them, which is the same under every schedule when
-``max_concurrent_attempts`` admits the whole batch at once (the benchmark configs do).
+``max_concurrent_attempts`` admits the whole batch at once; with fewer slots, attempts open as earlier ones finish,
+an order that timing can perturb between schedules.
 
 The reward (SETA form, App. C.1) scores how close the number of calls came to the task's target:
 p = max(0, 1 − |calls − target| / target), r = p + 0.5·1[p = 1].
