@@ -275,7 +275,7 @@ def fit(
         cpus=rollout.cpus,  # the agent loop beside its replicas, not on the learner's cores
     )
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
-    zero = learner.strategy in _PARTITIONED  # gradients live in ZeRO's engine or in shards: the module clips
+    module_clips = learner.strategy in _PARTITIONED  # gradients live in ZeRO's engine or in shards
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=learner.devices,
@@ -284,7 +284,7 @@ def fit(
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
-            *([] if zero else [GradientClipping(max_grad_norm)]),
+            *([] if module_clips else [GradientClipping(max_grad_norm)]),
             WeightPublisher(engine, every_rank=learner.world_size > 1),  # each rank rolls out with its own engine
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
@@ -300,7 +300,7 @@ def fit(
         objective,
         "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped with rollout
         advantage,
-        max_grad_norm=max_grad_norm if zero else None,
+        max_grad_norm=max_grad_norm if module_clips else None,
         group_admission_cap=group_admission_cap,
         sync_micro_batch_size=sync_micro_batch_size,
         optimizer=optimizer,

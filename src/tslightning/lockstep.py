@@ -1,4 +1,4 @@
-"""Lock-step learner ticks, so streaming ranks can share sharded parameters (DeepSpeed ZeRO-3).
+"""Lock-step learner ticks, so streaming ranks can share sharded parameters (DeepSpeed ZeRO-3, FSDP2).
 
 ZeRO-3 partitions every parameter across the learner ranks and all-gathers each layer's parameters in every
 forward and backward: a collective that all ranks must enter together, in the same order. Streaming ranks serve
@@ -52,14 +52,9 @@ class LockstepTicks:
         self._idle_pass = idle_pass
         self._queue: deque[Callable[[], None]] = deque()
         self.ticks = 0
-        """Ticks with a pass since the last :meth:`reset`."""
+        """Ticks with a pass (one object serves one update)."""
         self.idle_passes = 0
-        """Idle passes this rank ran since the last :meth:`reset` (its lock-step overhead)."""
-
-    @property
-    def queued(self) -> int:
-        """Units of work waiting on this rank."""
-        return len(self._queue)
+        """Idle passes this rank ran (its lock-step overhead)."""
 
     def submit(self, work: Callable[[], None]) -> None:
         """Queue one unit of work: exactly one forward and one backward of the policy."""
@@ -91,9 +86,3 @@ class LockstepTicks:
             status = self.tick(update, draining=True)
             if not status.any_work and status.all_draining:
                 return
-
-    def reset(self) -> None:
-        """Forget queued work and counters (a new update, or after a failed one)."""
-        self._queue.clear()
-        self.ticks = 0
-        self.idle_passes = 0

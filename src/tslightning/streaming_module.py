@@ -216,7 +216,7 @@ class StreamingPolicyModule(L.LightningModule):
         self.service_log: list[ServiceRecord] = []
         """Per-source service times of the current (or last finished) update."""
         self.lockstep: LockstepTicks | None = None
-        """Lock-step serving of the open update (several ranks with ZeRO-3 partitioned parameters), else ``None``."""
+        """Lock-step serving of the open update (several ranks, ZeRO-3 or FSDP2 sharded parameters), or ``None``."""
         self.update_timings: dict[str, float] = {}
         """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
         add ``rollout_wait_s``, ``publication_s``, ...)."""
@@ -346,8 +346,7 @@ class StreamingPolicyModule(L.LightningModule):
             before_step()
         if zero is not None:
             backward_direction(zero, self, self.layout, direction, scale=-coefficient)
-            applied = coefficient * norm
-        elif fsdp:
+        if zero is not None or fsdp:  # the module clipped: the coefficient it applied
             applied = coefficient * norm
         else:
             if self.max_grad_norm is not None:
