@@ -216,6 +216,22 @@ def main(out: str, strategy: str, *cases: str) -> None:
             record = {"crash": traceback.format_exc()}
         torch.save(record, target / f"rank{fabric.global_rank}.pt")
         print(f"rank {fabric.global_rank}: {strategy} {case} done", flush=True)
+    _tear_down(cases)
+
+
+def _tear_down(cases: tuple[str, ...]) -> None:
+    """Leave together: a barrier, then the process group destroyed on every rank before the interpreter exits.
+
+    Left to interpreter shutdown, the gloo group's native threads can be destroyed while still joinable
+    (``terminate called without an active exception``, exit -6) when one rank exits while its peer is still
+    tearing down. After ``die-ingest`` the peer is gone, so there is nothing to leave together with.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "die-ingest" in cases:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
