@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 
 from tslightning import cli
-from tslightning.bench import bench, format_table, measure_run
+from tslightning.bench import bench, format_table, measure_run, measure_runs
 
 CONFIG = Path(__file__).parents[1] / "configs" / "bench_balanced.yaml"
 
 
-def _write_run(run_dir: Path) -> None:
+def _write_run(run_dir: Path, steps: tuple[float, float, float] = (9.0, 3.0, 2.5), slower: float = 1.0) -> None:
+    """A hand-made 3-update run; ``slower`` stretches every trace time (a machine running slower)."""
     (run_dir / "trace").mkdir(parents=True)
     (run_dir / "csv" / "version_0").mkdir(parents=True)
     (run_dir / "rewards.json").write_text(
-        json.dumps({"step_seconds": [9.0, 3.0, 2.5], "mean_rewards": [0.0, 0.5, 1.0], "peak_learner_memory_mb": 321.0})
+        json.dumps({"step_seconds": list(steps), "mean_rewards": [0.0, 0.5, 1.0], "peak_learner_memory_mb": 321.0})
     )
 
     def source(update, ready, start, end, tokens=10):
@@ -44,6 +45,9 @@ def _write_run(run_dir: Path) -> None:
         source(2, 1.0, 1.0, 2.0),
         update(2, 1.5, 1.0, 0.25, 0.25, 2.5),
     ]
+    timed = ("ready_time", "service_start", "service_end", "rollout_close", "learner_service_s", "barrier_s")
+    timed += ("publication_s", "update_end")
+    records = [{k: v * slower if k in timed else v for k, v in r.items()} for r in records]
     (run_dir / "trace" / "trace-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run_dir / "csv" / "version_0" / "metrics.csv").write_text(
         "perf/mfu/actor,staleness/max_policy_lag,staleness/mean_policy_lag,step\n"
@@ -124,3 +128,43 @@ def test_ratio_sweep_scales_the_tool_and_reward_check_latencies_of_the_config():
     latencies = _config_latencies(str(CONFIG))
     assert set(latencies) == {"median_latency_s", "verify_median_latency_s"}
     assert latencies["median_latency_s"] > 0
+
+
+def test_repeats_pool_every_update_and_keep_each_repeats_own_figures(tmp_path):
+    _write_run(tmp_path / "a")
+    _write_run(tmp_path / "b", steps=(9.0, 6.0, 5.0), slower=2.0)
+    one, other = measure_run(tmp_path / "a", "sync", warmup=1), measure_run(tmp_path / "b", "sync", warmup=1)
+    pooled = measure_runs([tmp_path / "a", tmp_path / "b"], "sync", warmup=1)
+    assert pooled.repeats == 2 and pooled.updates == 4
+    assert pooled.step_s == pytest.approx((3.0 + 2.5 + 6.0 + 5.0) / 4)
+    assert pooled.step_s_per_repeat == pytest.approx((one.step_s, other.step_s))
+    assert pooled.learner_service_s == pytest.approx((one.learner_service_s + other.learner_service_s) / 2)
+    assert pooled.learner_service_s_per_repeat == pytest.approx((one.learner_service_s, other.learner_service_s))
+    # the stretched run has twice the wall time: its idle fraction weighs twice as much
+    assert pooled.learner_idle == pytest.approx((one.learner_idle + 2 * other.learner_idle) / 3)
+    # replay endpoints pooled before the ratio; both runs predict the same speedup (one is the other, stretched)
+    assert pooled.predicted_speedup == pytest.approx(one.predicted_speedup) == pytest.approx(other.predicted_speedup)
+    assert pooled.out_dir == str(tmp_path / "a")
+
+
+def test_repeats_alternate_the_run_order_and_pair_ratios_repeat_by_repeat(tmp_path, monkeypatch):
+    import tslightning.bench as bench_module
+
+    order = []
+    step_of = {("sync", 0): 6.0, ("thundersync", 0): 3.0, ("sync", 1): 8.0, ("thundersync", 1): 5.0}
+
+    def fake_fit(config, schedule, updates, run_dir, overrides):
+        repeat = int(run_dir.name.rsplit("-rep", 1)[1])
+        order.append((schedule, repeat))
+        _write_run(run_dir, steps=(9.0, step_of[schedule, repeat], step_of[schedule, repeat]))
+
+    monkeypatch.setattr(bench_module, "_run_fit", fake_fit)
+    sync, streamed = bench(str(CONFIG), ["sync", "thundersync"], 3, 1, str(tmp_path), repeats=2)
+    assert order == [("sync", 0), ("thundersync", 0), ("thundersync", 1), ("sync", 1)]  # ABBA
+    assert streamed.repeats == 2 and streamed.step_s == pytest.approx(4.0) and sync.step_s == pytest.approx(7.0)
+    assert streamed.speedup_vs_sync == pytest.approx(7.0 / 4.0)
+    assert streamed.speedup_per_repeat == pytest.approx((2.0, 1.6))
+    assert sync.speedup_per_repeat == pytest.approx((1.0, 1.0))
+    assert "per repeat (run order alternates) speedup 2.000x, 1.600x" in format_table([sync, streamed])
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        bench(str(CONFIG), ["sync"], 3, 1, str(tmp_path), repeats=0)

@@ -15,6 +15,11 @@ CSV metrics and ``rewards.json`` — the bench reports, over the updates after `
 
 A ratio sweep (``latency_scales``) reruns ``sync`` and ``thundersync`` with the simulated tool latency scaled, and
 the Fig. 8-style scatter pairs each thundersync run's measured speedup with its trace-replay prediction.
+
+On a shared machine the speed of a core drifts over minutes, and schedules run one after another, so a drift shows
+up as a difference between schedules. ``repeats`` runs every schedule several times in alternating order (ABBA: forward,
+then reversed, ...), which cancels a linear drift from the pooled means, and reports each repeat's own ratios
+beside them, so the spread between repeats is visible next to the figure.
 """
 
 from __future__ import annotations
@@ -69,6 +74,17 @@ class ScheduleMeasurement:
     """ThunderSync speedup over Sync that this run's release trace predicts (Eqs. 14-15, ratio of means)."""
     mean_reward: float
     out_dir: str
+    """The first repeat's run directory (the timeline picture is drawn from it)."""
+    repeats: int = 1
+    """Runs pooled into this measurement (``bench(repeats=...)``); every mean above is over all their updates."""
+    step_s_per_repeat: tuple[float, ...] = ()
+    """Each repeat's own mean step time, in repeat order."""
+    learner_service_s_per_repeat: tuple[float, ...] = ()
+    """Each repeat's own mean learner service time, in repeat order."""
+    speedup_per_repeat: tuple[float, ...] = ()
+    """Sync's step / this schedule's step, repeat by repeat (the spread of ``speedup_vs_sync``)."""
+    learner_service_vs_sync_per_repeat: tuple[float, ...] = ()
+    """This schedule's learner service / sync's, repeat by repeat."""
 
 
 def bench(
@@ -79,6 +95,7 @@ def bench(
     out_dir: str = "runs/bench",
     latency_scales: Sequence[float] = (),
     overrides: Sequence[str] = (),
+    repeats: int = 1,
 ) -> list[ScheduleMeasurement]:
     """Run ``config`` under each schedule (and the sync/thundersync ratio sweep) and measure every run.
 
@@ -87,43 +104,51 @@ def bench(
         schedules: Schedules to compare (``sync`` first when present: speedups are relative to it).
         updates: Optimizer updates per run, warm-up included.
         warmup: Leading updates left out of every mean.
-        out_dir: Each run writes to ``<out_dir>/<schedule>[-x<scale>]``.
+        out_dir: Each run writes to ``<out_dir>/<schedule>[-x<scale>]`` (``...-rep<i>`` with several repeats).
         latency_scales: Extra sync + thundersync runs with the ``simulated_tool`` median latencies (tool calls and
             reward check) multiplied by each scale (the rollout/learner ratio sweep).
         overrides: Further ``fit`` command-line overrides for every run (e.g. ``--rollout.replicas=2``).
+        repeats: Runs of every schedule, in alternating order (forward, reversed, ...); each measurement pools them.
     """
-    _check_arguments(schedules, updates, warmup)
+    _check_arguments(schedules, updates, warmup, repeats)
     base_latencies = _config_latencies(config) if latency_scales else {}
     runs = [(s, 1.0) for s in schedules]
     runs += [(s, scale) for scale in latency_scales for s in ("sync", "thundersync")]
-    measured = []
-    for schedule, scale in runs:
-        name = schedule if scale == 1.0 else f"{schedule}-x{scale:g}"
-        run_dir = Path(out_dir) / name
-        extra = list(overrides)
-        if scale != 1.0:
-            extra += [f"--rollout.simulated_tool.{key}={value * scale}" for key, value in base_latencies.items()]
-        _run_fit(config, schedule, updates, run_dir, extra)
-        measured.append(measure_run(run_dir, schedule, warmup, scale))
+    run_dirs: dict[tuple[str, float], list[Path]] = defaultdict(list)
+    for repeat in range(repeats):
+        for schedule, scale in runs if repeat % 2 == 0 else runs[::-1]:  # ABBA: a linear drift cancels
+            name = schedule if scale == 1.0 else f"{schedule}-x{scale:g}"
+            run_dir = Path(out_dir) / (name if repeats == 1 else f"{name}-rep{repeat}")
+            extra = list(overrides)
+            if scale != 1.0:
+                extra += [f"--rollout.simulated_tool.{key}={value * scale}" for key, value in base_latencies.items()]
+            _run_fit(config, schedule, updates, run_dir, extra)
+            run_dirs[schedule, scale].append(run_dir)
+    measured = [measure_runs(run_dirs[schedule, scale], schedule, warmup, scale) for schedule, scale in runs]
     return _with_sync_ratios(measured)
 
 
 def measure_run(run_dir: str | Path, schedule: str, warmup: int, latency_scale: float = 1.0) -> ScheduleMeasurement:
     """Measure one finished ``fit`` run from its outputs (the trace, ``csv/`` metrics and ``rewards.json``)."""
-    run_dir = Path(run_dir)
-    result = json.loads((run_dir / "rewards.json").read_text())
-    steps = result["step_seconds"][warmup:]
-    if not steps:
-        raise ValueError(f"{run_dir}: {len(result['step_seconds'])} update(s) leave none after warmup={warmup}")
-    records = read_trace(run_dir / "trace")
-    kept = [r for r in records if r["update"] >= _first_version(records) + warmup]
-    update_records = [r for r in kept if r["record"] == "update"]
-    shares = utilization(busy_intervals(kept))
-    metrics = _csv_metrics(run_dir)[warmup:]
+    return measure_runs([run_dir], schedule, warmup, latency_scale)
+
+
+def measure_runs(
+    run_dirs: Sequence[str | Path], schedule: str, warmup: int, latency_scale: float = 1.0
+) -> ScheduleMeasurement:
+    """Measure repeats of one schedule together: means over every run's updates after ``warmup``, fractions of their
+    pooled wall time, and the replay prediction as the ratio of the pooled replayed endpoints."""
+    if not run_dirs:
+        raise ValueError("measure_runs needs at least one run directory")
+    runs = [_RunOutputs.read(Path(d), warmup) for d in run_dirs]
+    steps = [s for run in runs for s in run.steps]
+    services = [s for run in runs for s in run.services]
+    closes = [c for run in runs for c in run.closes]
+    metrics = [m for run in runs for m in run.metrics]
+    wall = sum(run.shares["wall_s"] for run in runs)
     lags = [m.get("staleness/max_policy_lag", 0.0) for m in metrics]
     mean_lags = [m.get("staleness/mean_policy_lag", 0.0) for m in metrics]
-    service = _mean([r["learner_service_s"] for r in update_records])
-    close = _mean([r["rollout_close"] for r in update_records])
+    service, close = _mean(services), _mean(closes)
     return ScheduleMeasurement(
         schedule=schedule,
         latency_scale=latency_scale,
@@ -133,17 +158,63 @@ def measure_run(run_dir: str | Path, schedule: str, warmup: int, latency_scale: 
         mfu=_mean([m["perf/mfu/actor"] for m in metrics if "perf/mfu/actor" in m]),
         learner_service_s=service,
         learner_service_vs_sync=None,
-        learner_idle=shares["learner_idle"],
-        rollout_idle=shares["rollout_idle"],
+        learner_idle=_pooled_share(runs, "learner_idle", wall),
+        rollout_idle=_pooled_share(runs, "rollout_idle", wall),
         max_policy_lag=int(max(lags, default=0.0)),
         mean_policy_lag=_mean(mean_lags) if mean_lags else 0.0,
-        peak_learner_memory_mb=result.get("peak_learner_memory_mb", float("nan")),
+        peak_learner_memory_mb=max(run.peak_memory_mb for run in runs),
         rollout_close_s=close,
         rollout_learner_ratio=close / service if service > 0 else float("inf"),
-        predicted_speedup=replay_records(records).predicted_speedup(warmup=warmup),
-        mean_reward=_mean(result["mean_rewards"][warmup:]),
-        out_dir=str(run_dir),
+        predicted_speedup=sum(e for run in runs for e in run.replay_sync)
+        / sum(e for run in runs for e in run.replay_streamed),
+        mean_reward=_mean([r for run in runs for r in run.rewards]),
+        out_dir=str(run_dirs[0]),
+        repeats=len(runs),
+        step_s_per_repeat=tuple(_mean(run.steps) for run in runs),
+        learner_service_s_per_repeat=tuple(_mean(run.services) for run in runs),
     )
+
+
+@dataclass(frozen=True)
+class _RunOutputs:
+    """What one ``fit`` run left, over its updates after the warm-up."""
+
+    steps: list[float]
+    services: list[float]
+    closes: list[float]
+    metrics: list[dict[str, float]]
+    shares: dict[str, float]
+    replay_sync: list[float]
+    replay_streamed: list[float]
+    rewards: list[float]
+    peak_memory_mb: float
+
+    @classmethod
+    def read(cls, run_dir: Path, warmup: int) -> _RunOutputs:
+        result = json.loads((run_dir / "rewards.json").read_text())
+        steps = result["step_seconds"][warmup:]
+        if not steps:
+            raise ValueError(f"{run_dir}: {len(result['step_seconds'])} update(s) leave none after warmup={warmup}")
+        records = read_trace(run_dir / "trace")
+        kept = [r for r in records if r["update"] >= _first_version(records) + warmup]
+        update_records = [r for r in kept if r["record"] == "update"]
+        replay_sync, replay_streamed = replay_records(records).update_ends(warmup=warmup)
+        return cls(
+            steps=steps,
+            services=[r["learner_service_s"] for r in update_records],
+            closes=[r["rollout_close"] for r in update_records],
+            metrics=_csv_metrics(run_dir)[warmup:],
+            shares=utilization(busy_intervals(kept)),
+            replay_sync=replay_sync,
+            replay_streamed=replay_streamed,
+            rewards=result["mean_rewards"][warmup:],
+            peak_memory_mb=result.get("peak_learner_memory_mb", float("nan")),
+        )
+
+
+def _pooled_share(runs: Sequence[_RunOutputs], key: str, wall: float) -> float:
+    """A lane's idle fraction of the runs' pooled wall time."""
+    return sum(run.shares[key] * run.shares["wall_s"] for run in runs) / wall if wall > 0 else 0.0
 
 
 def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
@@ -161,6 +232,12 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
             f"{m.learner_idle:>8.2f}{m.rollout_idle:>8.2f}{m.rollout_learner_ratio:>6.2f}"
             f"{m.max_policy_lag:>4d}/{m.mean_policy_lag:<4.2f}{m.peak_learner_memory_mb:>9.0f}{m.mean_reward:>8.3f}"
         )
+    for m in measurements:
+        if m.repeats > 1 and m.speedup_per_repeat:
+            name = m.schedule if m.latency_scale == 1.0 else f"{m.schedule} x{m.latency_scale:g}"
+            speedups = ", ".join(f"{x:.3f}x" for x in m.speedup_per_repeat)
+            service = ", ".join(f"{x:.3f}" for x in m.learner_service_vs_sync_per_repeat)
+            lines.append(f"{name}: per repeat (run order alternates) speedup {speedups}; learn s xsync {service}")
     lines.append(
         "step: mean step wall time; speedup: sync step / step (ratio of means); replay: ThunderSync speedup this "
         "run's release trace predicts; learn s: learner service per update (xsync: vs sync); idle: fraction of wall "
@@ -207,6 +284,12 @@ def _with_sync_ratios(measured: list[ScheduleMeasurement]) -> list[ScheduleMeasu
         values = asdict(m)
         values["speedup_vs_sync"] = sync.step_s / m.step_s
         values["learner_service_vs_sync"] = m.learner_service_s / sync.learner_service_s
+        values["speedup_per_repeat"] = tuple(
+            s / t for s, t in zip(sync.step_s_per_repeat, m.step_s_per_repeat, strict=True)
+        )
+        values["learner_service_vs_sync_per_repeat"] = tuple(
+            t / s for s, t in zip(sync.learner_service_s_per_repeat, m.learner_service_s_per_repeat, strict=True)
+        )
         out.append(ScheduleMeasurement(**values))
     return out
 
@@ -270,12 +353,14 @@ def _config_latencies(config: str) -> dict[str, float]:
     return {key: float(tool.get(key, getattr(SimulatedToolSettings, key))) for key in keys}
 
 
-def _check_arguments(schedules: Sequence[str], updates: int, warmup: int) -> None:
+def _check_arguments(schedules: Sequence[str], updates: int, warmup: int, repeats: int = 1) -> None:
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown or not schedules:
         raise ValueError(f"schedules {list(unknown) or '[]'} are not among {', '.join(SCHEDULES)}")
     if warmup < 0 or updates <= warmup:
         raise ValueError(f"updates ({updates}) must exceed warmup ({warmup}) >= 0, leaving updates to measure")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (runs of every schedule); got {repeats}")
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -173,6 +173,7 @@ def bench(
     fit_args: Sequence[str] = (),
     json: str | None = None,
     pictures: bool = True,
+    repeats: int = 1,
 ) -> None:
     """Run one workload under each schedule side by side and print the comparison (SPEC §4; App. B, F).
 
@@ -194,6 +195,9 @@ def bench(
         fit_args: Extra ``tslightning fit`` arguments for every run (e.g. ``["--warm_start.steps=50"]``).
         json: Also write the measurements to this JSON file.
         pictures: Write Fig. 3-style timelines per run and the Fig. 8-style predicted-vs-measured scatter.
+        repeats: Runs of every schedule, in alternating order (forward, reversed, ...), pooled into each row: a
+            drift in the machine's speed over the bench then cancels instead of favouring the schedules run first;
+            each repeat's own speedups are printed beside the table.
     """
     from tslightning.bench import bench as run_bench
     from tslightning.bench import format_table, write_pictures
@@ -207,6 +211,7 @@ def bench(
             out_dir,
             latency_scales,
             fit_args,
+            repeats,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"bench: {error}", file=sys.stderr)

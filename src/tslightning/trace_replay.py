@@ -71,6 +71,13 @@ class TraceReplay:
 
     def predicted_speedup(self, rank: int | None = None, warmup: int = 0) -> float:
         """Mean T_Sync / mean T_ThunderSync over updates after ``warmup``; the slowest rank bounds each update."""
+        sync, streamed = self.update_ends(rank, warmup)
+        return sum(sync) / sum(streamed)
+
+    def update_ends(self, rank: int | None = None, warmup: int = 0) -> tuple[list[float], list[float]]:
+        """Per update after ``warmup``: the replayed (T_Sync, T_ThunderSync) endpoints, as two lists (seconds); the
+        slowest rank bounds each update unless ``rank`` is given. Pooling several runs' lists gives their joint
+        ratio of means."""
         if rank is not None:
             lanes = self.lanes[rank][warmup:]
             sync = [lane.sync_end for lane in lanes]
@@ -81,7 +88,7 @@ class TraceReplay:
             streamed = [max(lane.thundersync_end for lane in update) for update in per_update]
         if not sync:
             raise ValueError(f"no updates left after warmup={warmup}")
-        return sum(sync) / sum(streamed)
+        return sync, streamed
 
     def summary(self, warmup: int = 0) -> dict:
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from types import SimpleNamespace
 
 import lightning as L
@@ -16,7 +17,7 @@ from tslightning.replay_batches import ReplayBatch
 from tslightning.sources import BatchClosed, TrajectorySource
 from tslightning.streaming_module import StreamingPolicyModule
 
-PEAK = 1e9  # FLOP/s per device: a CPU has no entry in Lightning's table
+PEAK = 1e12  # FLOP/s per device (a CPU has no entry in Lightning's table); above what the tiny updates reach
 
 
 def expected_flops(module: StreamingPolicyModule, batch: ReplayBatch) -> int:
@@ -161,3 +162,23 @@ def test_two_ranks_sum_learner_flops_over_every_learner_device(make_policy, voca
     assert reduced == ["sum"] and m.learner_flops == flops and m.num_tokens == 2 * batch_tokens(batch)
     assert m.mfu == flops / (4.0 * PEAK * 2) and m.throughput == 2 * batch_tokens(batch) / (4.0 * 2)
     assert owner.loggers[0].logged == []  # only global rank 0 logs
+
+
+def test_mfu_above_one_warns_once_that_the_declared_peak_is_too_low(make_policy, vocab_size, monkeypatch):
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    monitor, module = MFUMonitor(available_flops=1.0), StreamingPolicyModule(make_policy())
+    optimizer = module.configure_optimizers()
+    for update, now in enumerate((100.0, 200.0)):
+        batch = grpo_batch(vocab_size, update)
+        _at(monkeypatch, now, monitor.on_train_batch_start, fabric, module, batch.plan, 0)
+        for item in batch.stream():
+            module.ingest(item)
+        module.barrier(optimizer)
+        if update == 0:
+            with pytest.warns(UserWarning, match=r"MFU .* > 1: .* set available_flops to the device's real peak"):
+                _at(monkeypatch, now + 2.0, monitor.on_train_batch_end, fabric, module, None, BatchClosed(0), 1)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # said once per run, not every update
+                _at(monkeypatch, now + 2.0, monitor.on_train_batch_end, fabric, module, None, BatchClosed(1), 1)
+    assert all(m.mfu > 1 for m in monitor.history) and len(monitor.history) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -115,6 +116,7 @@ class MFUMonitor(L.Callback):
         self._start: float | None = None
         self._version = 0
         self._architecture: tuple[DecoderShape, WeightTraining] | None = None
+        self._warned_peak = False
 
     @property
     def state_key(self) -> str:
@@ -143,6 +145,7 @@ class MFUMonitor(L.Callback):
         measurement = self._measure(trainer, pl_module, step_s)
         self.history.append(measurement)
         self._measured += 1
+        self._warn_if_above_peak(trainer, measurement)
         self._log(trainer, measurement)
 
     # ----------------------------------------------------------------- results
@@ -210,6 +213,19 @@ class MFUMonitor(L.Callback):
                 "989.5e12 for an H200 or 2250e12 for a B200 in dense BF16 (App. B.4)"
             )
         return float(peak)
+
+    def _warn_if_above_peak(self, trainer: L.Trainer | L.Fabric, measurement: UpdateMeasurement) -> None:
+        """MFU above 1 means the learner ran faster than the declared peak: the peak is wrong, not the count."""
+        if measurement.mfu <= 1.0 or self._warned_peak or trainer.global_rank != 0:
+            return
+        self._warned_peak = True
+        achieved = measurement.learner_flops / (measurement.step_s * measurement.world_size)
+        warnings.warn(
+            f"MFUMonitor: update {measurement.policy_version} has MFU {measurement.mfu:.2f} > 1: the learner ran "
+            f"{achieved:.3g} FLOP/s per device over the whole step, above the peak {self._peak:.3g} it divides by; "
+            "set available_flops to the device's real peak (e.g. a CPU core's fp32 FMA width × clock)",
+            stacklevel=2,
+        )
 
     def _log(self, trainer: L.Trainer | L.Fabric, measurement: UpdateMeasurement) -> None:
         if trainer.global_rank != 0:
