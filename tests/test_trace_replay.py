@@ -19,6 +19,14 @@ def test_hand_case():
     lane = replay_lane([(2, 2), (1, 2), (6, 1)], rollout_close=6, suffix=0.5)
     assert lane.last_completion == 7 and lane.thundersync_end == 7.5
     assert lane.sync_end == 6 + 5 + 0.5 and lane.speedup == pytest.approx(11.5 / 7.5)
+    assert lane.async_end == max(6, 5) + 0.5  # the previous batch's 5 s of learner work hides behind R = 6
+
+
+@given(jobs_strategy, st.floats(0, 20), st.floats(0, 2))
+def test_async_estimate_is_never_longer_than_thundersync(jobs, close, suffix):
+    lane = replay_lane(jobs, close, suffix)
+    assert lane.async_end <= lane.thundersync_end + 1e-9  # c_n >= L: ThunderSync still waits for readiness
+    assert lane.async_end >= max(close, lane.learner_service) + suffix - 1e-9
 
 
 @given(jobs_strategy)
@@ -74,7 +82,13 @@ def test_replay_of_a_trace_file(tmp_path, capsys):
     expected = (4.0 + 3.5 + 0.5 + 5.0 + 3.5 + 0.5) / (first.thundersync_end + second.thundersync_end)
     assert replay.predicted_speedup() == pytest.approx(expected)
     cli.main(["replay", "--trace", str(tmp_path), "--json"])
-    assert json.loads(capsys.readouterr().out)["predicted_speedup"] == pytest.approx(expected)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["predicted_speedup"] == pytest.approx(expected)
+    # async estimate per update: max(R, L) + P = max(4, 3.5) + 0.5 and max(5, 3.5) + 0.5
+    assert summary["mean_async_end_s"] == pytest.approx((4.5 + 5.5) / 2)
+    assert summary["thundersync_vs_async"] == pytest.approx((5.0 + 6.0) / (4.5 + 5.5))
+    cli.main(["replay", "--trace", str(tmp_path)])
+    assert "one-step-off async estimate max(R, L) + P: 5.000 s (thundersync 1.100x its step)" in capsys.readouterr().out
 
 
 def test_sources_served_together_share_their_interval_by_tokens():

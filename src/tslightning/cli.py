@@ -142,7 +142,8 @@ def validate(
 
 
 def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
-    """Replay a release trace (Eqs. 14-15 per rank): predicted Sync and ThunderSync endpoints and speedup.
+    """Replay a release trace (Eqs. 14-15 per rank): predicted Sync and ThunderSync endpoints and speedup, and an
+    estimate of one-step-off Async's step (max(R, L) + P per update).
 
     Args:
         trace: A ``trace-rank*.jsonl`` file or the directory ``tslightning fit`` wrote (``<out_dir>/trace``).
@@ -159,7 +160,9 @@ def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
         f"tslightning replay: {summary['updates']} update(s), ranks {summary['ranks']}, warm-up {warmup}\n"
         f"  predicted mean endpoint  sync {summary['mean_sync_end_s']:.3f} s   "
         f"thundersync {summary['mean_thundersync_end_s']:.3f} s\n"
-        f"  predicted speedup (ratio of means): {summary['predicted_speedup']:.3f}x"
+        f"  predicted speedup (ratio of means): {summary['predicted_speedup']:.3f}x\n"
+        f"  one-step-off async estimate max(R, L) + P: {summary['mean_async_end_s']:.3f} s "
+        f"(thundersync {summary['thundersync_vs_async']:.3f}x its step)"
     )
 
 

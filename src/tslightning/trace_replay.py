@@ -7,6 +7,11 @@ Each learner job j has a ready time τ_j and a service time p_j; rollout closes 
 
 while Sync starts every job after R: T_Sync = R + L + P with L = Σ p_j (Eq. 16). The predicted speedup of a run is
 the ratio of the mean endpoints (App. B's ratio of means), per rank.
+
+The replay also estimates one-step-off Async's step, which the paper gives no equation for: in steady state the
+learner serves the previous batch (taken to be the same work, L) while this batch rolls out, so
+T_Async ≈ max(R, L) + P. It is never longer than T_ThunderSync (c_n ≥ L), and the gap is what ThunderSync pays for
+zero staleness: the wait for the first ready job and the learner's idle gaps before R.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class LaneReplay:
     def speedup(self) -> float:
         """S_Sync = T_Sync / T_ThunderSync (Eq. 16); at most 2 (Eq. 17)."""
         return self.sync_end / self.thundersync_end
+
+    @property
+    def async_end(self) -> float:
+        """Estimated one-step-off Async step, max(R, L) + P: the previous batch's learner work, taken equal to this
+        one's, overlaps this rollout (module docstring)."""
+        return max(self.rollout_close, self.learner_service) + self.suffix
 
 
 def replay_lane(jobs: Iterable[tuple[float, float]], rollout_close: float, suffix: float) -> LaneReplay:
@@ -91,15 +102,19 @@ class TraceReplay:
         return sync, streamed
 
     def summary(self, warmup: int = 0) -> dict:
+        ends = {
+            name: _mean([max(u) for u in zip(*_ends(self.lanes, f"{name}_end"), strict=True)][warmup:])
+            for name in ("sync", "thundersync", "async")
+        }
         return {
             "ranks": sorted(self.lanes),
             "updates": len(next(iter(self.lanes.values()))),
             "warmup": warmup,
-            "mean_sync_end_s": _mean([max(u) for u in zip(*_ends(self.lanes, "sync_end"), strict=True)][warmup:]),
-            "mean_thundersync_end_s": _mean(
-                [max(u) for u in zip(*_ends(self.lanes, "thundersync_end"), strict=True)][warmup:]
-            ),
+            "mean_sync_end_s": ends["sync"],
+            "mean_thundersync_end_s": ends["thundersync"],
             "predicted_speedup": self.predicted_speedup(warmup=warmup),
+            "mean_async_end_s": ends["async"],
+            "thundersync_vs_async": ends["thundersync"] / ends["async"],
         }
 
 
