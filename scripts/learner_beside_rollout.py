@@ -35,8 +35,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from tslightning.fit import RolloutSettings, _agent_limits, _attempt_factory, _start_engine, _training_tasks
-from tslightning.rollout.rollout_datamodule import RolloutDataModule
+from tslightning.fit import RolloutSettings, _start_engine, _training_tasks, rollout_datamodule
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 from tslightning.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
 
@@ -56,19 +55,8 @@ def roll_out(config: dict, policy_dir: str, warm, stop) -> None:
         os.sched_setaffinity(0, settings.cpus)  # in a thread: this thread (and the threads it starts) only
     _, tokenizer = load_tiny_model(policy_dir)
     engine = _start_engine(settings, Path(policy_dir), "float32")
-    datamodule = RolloutDataModule(
-        engine,
-        tokenizer,
-        _training_tasks(settings),
-        _attempt_factory(settings),
-        "grpo",
-        settings.prompts_per_update,
-        settings.samples_per_prompt,
-        _agent_limits(settings),
-        None,
-        config.get("seed", 0),
-        max_concurrent_attempts=settings.max_concurrent_attempts,
-        cpus=settings.cpus,
+    datamodule = rollout_datamodule(
+        settings, engine, tokenizer, _training_tasks(settings), "grpo", None, config.get("seed", 0)
     )
     update = 0
     try:

@@ -117,7 +117,7 @@ def bench(
     run_dirs: dict[tuple[str, float], list[Path]] = defaultdict(list)
     for repeat in range(repeats):
         for schedule, scale in runs if repeat % 2 == 0 else runs[::-1]:  # ABBA: a linear drift cancels
-            name = schedule if scale == 1.0 else f"{schedule}-x{scale:g}"
+            name = _run_name(schedule, scale)
             run_dir = Path(out_dir) / (name if repeats == 1 else f"{name}-rep{repeat}")
             extra = list(overrides)
             if scale != 1.0:
@@ -225,7 +225,7 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
     )
     lines = [header, "-" * len(header)]
     for m in measurements:
-        name = m.schedule if m.latency_scale == 1.0 else f"{m.schedule} x{m.latency_scale:g}"
+        name = _run_name(m.schedule, m.latency_scale, " x")
         lines.append(
             f"{name:<18}{m.step_s:>8.3f}{_fmt(m.speedup_vs_sync, 'x'):>9}{m.predicted_speedup:>7.3f}x"
             f"{m.mfu:>8.4f}{m.learner_service_s:>9.3f}{_fmt(m.learner_service_vs_sync, ''):>7}"
@@ -234,7 +234,7 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
         )
     for m in measurements:
         if m.repeats > 1 and m.speedup_per_repeat:
-            name = m.schedule if m.latency_scale == 1.0 else f"{m.schedule} x{m.latency_scale:g}"
+            name = _run_name(m.schedule, m.latency_scale, " x")
             speedups = ", ".join(f"{x:.3f}x" for x in m.speedup_per_repeat)
             service = ", ".join(f"{x:.3f}" for x in m.learner_service_vs_sync_per_repeat)
             lines.append(f"{name}: per repeat (run order alternates) speedup {speedups}; learn s xsync {service}")
@@ -253,7 +253,7 @@ def write_pictures(measurements: Sequence[ScheduleMeasurement], out_dir: str | P
     out_dir = Path(out_dir)
     written = []
     for m in measurements:
-        name = m.schedule if m.latency_scale == 1.0 else f"{m.schedule}-x{m.latency_scale:g}"
+        name = _run_name(m.schedule, m.latency_scale)
         path = out_dir / f"timeline-{name}.png"
         plot_timeline(Path(m.out_dir) / "trace", path, title=f"{name}: mean step {m.step_s:.2f} s")
         written.append(path)
@@ -316,6 +316,11 @@ def _run_fit(config: str, schedule: str, updates: int, run_dir: Path, overrides:
         raise RuntimeError(
             f"bench: `{' '.join(command)}` failed with exit code {completed.returncode}:\n{completed.stderr[-4000:]}"
         )
+
+
+def _run_name(schedule: str, latency_scale: float, separator: str = "-x") -> str:
+    """A run's name: its schedule, with the latency scale of a ratio-sweep run."""
+    return schedule if latency_scale == 1.0 else f"{schedule}{separator}{latency_scale:g}"
 
 
 def _csv_metrics(run_dir: Path) -> list[dict[str, float]]:

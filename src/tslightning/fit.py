@@ -260,20 +260,7 @@ def fit(
     policy, tokenizer, policy_dir = _prepare_policy(model, rollout, warm_start, tasks, seed, out)
     engine = _start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
     teacher = _start_teacher(model, rollout, warm_start, tasks, seed, out) if objective == "opd" else None
-    datamodule = RolloutDataModule(
-        engine,
-        tokenizer,
-        tasks,
-        _attempt_factory(rollout),
-        objective,
-        rollout.prompts_per_update,
-        rollout.samples_per_prompt,
-        _agent_limits(rollout),
-        teacher,
-        seed,
-        max_concurrent_attempts=rollout.max_concurrent_attempts,
-        cpus=rollout.cpus,  # the agent loop beside its replicas, not on the learner's cores
-    )
+    datamodule = rollout_datamodule(rollout, engine, tokenizer, tasks, objective, teacher, seed)
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     module_clips = learner.strategy in _PARTITIONED  # gradients live in ZeRO's engine or in shards
     fabric = L.Fabric(
@@ -533,6 +520,27 @@ def _place_learner(cpus: list[int] | None) -> None:
         raise ValueError("learner.cpus is empty; list at least one core, or null to leave placement alone")
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+
+
+def rollout_datamodule(
+    rollout: RolloutSettings, engine, tokenizer, tasks, objective: str, teacher: TeacherScorer | None, seed: int
+) -> RolloutDataModule:
+    """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
+    agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores)."""
+    return RolloutDataModule(
+        engine,
+        tokenizer,
+        tasks,
+        _attempt_factory(rollout),
+        objective,
+        rollout.prompts_per_update,
+        rollout.samples_per_prompt,
+        _agent_limits(rollout),
+        teacher,
+        seed,
+        max_concurrent_attempts=rollout.max_concurrent_attempts,
+        cpus=rollout.cpus,
+    )
 
 
 def _attempt_factory(rollout: RolloutSettings):

@@ -89,33 +89,31 @@ class TraceReplay:
         """Per update after ``warmup``: the replayed (T_Sync, T_ThunderSync) endpoints, as two lists (seconds); the
         slowest rank bounds each update unless ``rank`` is given. Pooling several runs' lists gives their joint
         ratio of means."""
-        if rank is not None:
-            lanes = self.lanes[rank][warmup:]
-            sync = [lane.sync_end for lane in lanes]
-            streamed = [lane.thundersync_end for lane in lanes]
-        else:
-            per_update = list(zip(*self.lanes.values(), strict=True))[warmup:]
-            sync = [max(lane.sync_end for lane in update) for update in per_update]
-            streamed = [max(lane.thundersync_end for lane in update) for update in per_update]
+        sync = self._per_update("sync_end", rank, warmup)
         if not sync:
             raise ValueError(f"no updates left after warmup={warmup}")
-        return sync, streamed
+        return sync, self._per_update("thundersync_end", rank, warmup)
 
     def summary(self, warmup: int = 0) -> dict:
-        ends = {
-            name: _mean([max(u) for u in zip(*_ends(self.lanes, f"{name}_end"), strict=True)][warmup:])
-            for name in ("sync", "thundersync", "async")
-        }
+        sync, streamed = self.update_ends(warmup=warmup)
+        async_ends = self._per_update("async_end", None, warmup)
         return {
             "ranks": sorted(self.lanes),
             "updates": len(next(iter(self.lanes.values()))),
             "warmup": warmup,
-            "mean_sync_end_s": ends["sync"],
-            "mean_thundersync_end_s": ends["thundersync"],
-            "predicted_speedup": self.predicted_speedup(warmup=warmup),
-            "mean_async_end_s": ends["async"],
-            "thundersync_vs_async": ends["thundersync"] / ends["async"],
+            "mean_sync_end_s": _mean(sync),
+            "mean_thundersync_end_s": _mean(streamed),
+            "predicted_speedup": sum(sync) / sum(streamed),
+            "mean_async_end_s": _mean(async_ends),
+            "thundersync_vs_async": sum(streamed) / sum(async_ends),
         }
+
+    def _per_update(self, field: str, rank: int | None, warmup: int) -> list[float]:
+        """``field`` of every update after ``warmup``: rank ``rank``'s, or the largest over ranks."""
+        if rank is not None:
+            return [getattr(lane, field) for lane in self.lanes[rank][warmup:]]
+        per_update = list(zip(*self.lanes.values(), strict=True))[warmup:]
+        return [max(getattr(lane, field) for lane in update) for update in per_update]
 
 
 def replay_records(records: Iterable[dict]) -> TraceReplay:
@@ -155,10 +153,6 @@ def replay_trace(path: str | Path) -> TraceReplay:
     from tslightning.callbacks.release_trace import read_trace
 
     return replay_records(read_trace(path))
-
-
-def _ends(lanes: dict[int, list[LaneReplay]], field: str) -> list[list[float]]:
-    return [[getattr(lane, field) for lane in updates] for updates in lanes.values()]
 
 
 def _mean(values: list[float]) -> float:
