@@ -153,3 +153,10 @@ def test_boundary_context_backward_needs_thundersync(tmp_path):
 
     with pytest.raises(ValueError, match="context_backward"):
         _short_fit(tmp_path / "bad", "sync", "--context_backward", "boundary")
+
+
+def test_teacher_cpus_needs_the_opd_objective(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="model.teacher_cpus places the OPD teacher; objective 'grpo'"):
+        _short_fit(tmp_path / "bad", "sync", "--model.teacher_cpus", "[0]")

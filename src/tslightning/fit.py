@@ -68,6 +68,10 @@ class ModelSettings:
     """A Hugging Face checkpoint directory; ``None`` builds the embedded tiny Qwen2 model offline."""
     teacher_path: str | None = None
     """OPD teacher checkpoint; ``None``: the embedded tiny model warm-started on the reference solutions only."""
+    teacher_cpus: list[int] | None = None
+    """OPD: CPU cores the frozen teacher's scoring thread runs on, e.g. ``rollout.cpus`` (the teacher then sits
+    beside the rollout pool, as a separate teacher pool would); ``None``: the learner process's cores, shared with
+    the learner."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Learner dtype. ``float64`` (exactness checks) computes norms in float64 too; the engine then serves float32."""
     lora: LoraSettings | None = None
@@ -248,6 +252,8 @@ def fit(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
             "context backward runs several per source: set context_backward=recompute"
         )
+    if model.teacher_cpus is not None and objective != "opd":
+        problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
     if problems:
         raise ValueError("fit: " + "; ".join(problems))
     out = Path(out_dir)
@@ -638,13 +644,13 @@ def _start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, 
     samples."""
     if model.teacher_path:
         teacher, _ = load_tiny_model(model.teacher_path)
-        return TeacherScorer(teacher)
+        return TeacherScorer(teacher, cpus=model.teacher_cpus)
     teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
     if warm_start.steps:
         loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=_agent_limits(rollout))
         demos = _demonstrations(rollout, tasks, near_misses=False)
         supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
-    return TeacherScorer(teacher)
+    return TeacherScorer(teacher, cpus=model.teacher_cpus)
 
 
 def _resolved_config(arguments: dict) -> dict:

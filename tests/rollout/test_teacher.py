@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,3 +47,18 @@ def test_closed_scorer_refuses_work(teacher64):
     scorer.close()
     with pytest.raises(RuntimeError, match="closed"):
         scorer.submit(torch.tensor([1, 2]), torch.tensor([False, True]))
+
+
+def test_cpus_place_only_the_scoring_thread(teacher64):
+    caller = os.sched_getaffinity(0)
+    core = max(caller)
+    with TeacherScorer(teacher64, cpus=[core]) as scorer:
+        assert scorer.score(torch.tensor([3, 4, 5]), torch.tensor([False, True, True])).shape == (2,)
+        assert os.sched_getaffinity(scorer._worker.native_id) == {core}
+        assert os.sched_getaffinity(0) == caller  # the learner's thread stays where it was
+
+
+@pytest.mark.parametrize("cpus", [[], [10**4]])
+def test_cpus_must_name_existing_cores(teacher64, cpus):
+    with pytest.raises(ValueError, match="TeacherScorer: cpus"):
+        TeacherScorer(teacher64, cpus=cpus)

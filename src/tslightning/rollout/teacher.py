@@ -8,8 +8,10 @@ future resolves, that turn is a ready OPD source.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -24,12 +26,29 @@ class TeacherScorer:
         teacher: The frozen teacher (same tokenizer as the student: token-level correspondence).
         max_batch: Most pending turns scored in one padded forward.
         pad_token_id: Id used for right padding (masked out by the attention mask).
+        cpus: Cores the scoring thread runs on (``os.sched_setaffinity`` of that thread only), e.g. the rollout
+            pool's, as a separate teacher pool would be; ``None``: wherever the creating process runs (then the
+            teacher competes with the learner for its cores).
+
+    Raises:
+        ValueError: if ``cpus`` is empty or names a core this machine does not have.
     """
 
-    def __init__(self, teacher: torch.nn.Module, max_batch: int = 8, pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        teacher: torch.nn.Module,
+        max_batch: int = 8,
+        pad_token_id: int = 0,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        if cpus is not None and (not cpus or not set(cpus) <= set(range(os.cpu_count() or 1))):
+            raise ValueError(
+                f"TeacherScorer: cpus {list(cpus)} must be a non-empty list of cores in 0..{(os.cpu_count() or 1) - 1}"
+            )
         self.teacher = teacher.eval().requires_grad_(False)
         self.max_batch = max_batch
         self.pad_token_id = pad_token_id
+        self.cpus = None if cpus is None else tuple(cpus)
         self._requests: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="teacher-scorer", daemon=True)
         self._closed = False
@@ -61,6 +80,8 @@ class TeacherScorer:
         self.close()
 
     def _serve(self) -> None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)  # 0: this thread (Linux affinity is per thread)
         while True:
             first = self._requests.get()
             if first is None:
