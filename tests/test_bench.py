@@ -66,6 +66,8 @@ def test_measure_run_accounts_over_the_updates_after_warmup(tmp_path):
     assert m.learner_idle == pytest.approx(2.0 / 5.5) and m.rollout_idle == pytest.approx(2.0 / 5.5)
     # Eqs. 14-15 per measured update: sync ends 4.0 and 3.0, ThunderSync 2.7 and 2.5.
     assert m.predicted_speedup == pytest.approx(7.0 / 5.2)
+    # Async estimates max(R, L) + P: max(2.0, 1.5) + 0.5 = 2.5 and max(1.5, 1.0) + 0.5 = 2.0.
+    assert m.replay_vs_async == pytest.approx(5.2 / 4.5)
     assert m.speedup_vs_sync is None and "async" in format_table([m])
 
 
@@ -144,6 +146,7 @@ def test_repeats_pool_every_update_and_keep_each_repeats_own_figures(tmp_path):
     assert pooled.learner_idle == pytest.approx((one.learner_idle + 2 * other.learner_idle) / 3)
     # replay endpoints pooled before the ratio; both runs predict the same speedup (one is the other, stretched)
     assert pooled.predicted_speedup == pytest.approx(one.predicted_speedup) == pytest.approx(other.predicted_speedup)
+    assert pooled.replay_vs_async == pytest.approx(one.replay_vs_async) == pytest.approx(other.replay_vs_async)
     assert pooled.out_dir == str(tmp_path / "a")
 
 

@@ -87,6 +87,7 @@ def test_replay_of_a_trace_file(tmp_path, capsys):
     # async estimate per update: max(R, L) + P = max(4, 3.5) + 0.5 and max(5, 3.5) + 0.5
     assert summary["mean_async_end_s"] == pytest.approx((4.5 + 5.5) / 2)
     assert summary["thundersync_vs_async"] == pytest.approx((5.0 + 6.0) / (4.5 + 5.5))
+    assert replay.async_ends() == [4.5, 5.5] and replay.async_ends(rank=0, warmup=1) == [5.5]
     cli.main(["replay", "--trace", str(tmp_path)])
     assert "one-step-off async estimate max(R, L) + P: 5.000 s (thundersync 1.100x its step)" in capsys.readouterr().out
 

@@ -72,6 +72,10 @@ class ScheduleMeasurement:
     """Measured r = mean R / mean learner service (sync: the balance of the workload)."""
     predicted_speedup: float
     """ThunderSync speedup over Sync that this run's release trace predicts (Eqs. 14-15, ratio of means)."""
+    replay_vs_async: float
+    """This trace's replayed ThunderSync endpoint over its one-step-off async estimate max(R, L) + P (ratio of
+    means): how close to async's step a zero-staleness learner serving every source the moment it is ready could
+    come, given these ready times."""
     mean_reward: float
     out_dir: str
     """The first repeat's run directory (the timeline picture is drawn from it)."""
@@ -167,6 +171,8 @@ def measure_runs(
         rollout_learner_ratio=close / service if service > 0 else float("inf"),
         predicted_speedup=sum(e for run in runs for e in run.replay_sync)
         / sum(e for run in runs for e in run.replay_streamed),
+        replay_vs_async=sum(e for run in runs for e in run.replay_streamed)
+        / sum(e for run in runs for e in run.replay_async),
         mean_reward=_mean([r for run in runs for r in run.rewards]),
         out_dir=str(run_dirs[0]),
         repeats=len(runs),
@@ -186,6 +192,7 @@ class _RunOutputs:
     shares: dict[str, float]
     replay_sync: list[float]
     replay_streamed: list[float]
+    replay_async: list[float]
     rewards: list[float]
     peak_memory_mb: float
 
@@ -198,7 +205,8 @@ class _RunOutputs:
         records = read_trace(run_dir / "trace")
         kept = [r for r in records if r["update"] >= _first_version(records) + warmup]
         update_records = [r for r in kept if r["record"] == "update"]
-        replay_sync, replay_streamed = replay_records(records).update_ends(warmup=warmup)
+        replay = replay_records(records)
+        replay_sync, replay_streamed = replay.update_ends(warmup=warmup)
         return cls(
             steps=steps,
             services=[r["learner_service_s"] for r in update_records],
@@ -207,6 +215,7 @@ class _RunOutputs:
             shares=utilization(busy_intervals(kept)),
             replay_sync=replay_sync,
             replay_streamed=replay_streamed,
+            replay_async=replay.async_ends(warmup=warmup),
             rewards=result["mean_rewards"][warmup:],
             peak_memory_mb=result.get("peak_learner_memory_mb", float("nan")),
         )
@@ -220,7 +229,7 @@ def _pooled_share(runs: Sequence[_RunOutputs], key: str, wall: float) -> float:
 def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
     """The side-by-side table ``tslightning bench`` prints."""
     header = (
-        f"{'schedule':<18}{'step s':>8}{'speedup':>9}{'replay':>8}{'MFU':>8}{'learn s':>9}{'xsync':>7}"
+        f"{'schedule':<18}{'step s':>8}{'speedup':>9}{'replay':>8}{'ts/as':>7}{'MFU':>8}{'learn s':>9}{'xsync':>7}"
         f"{'L idle':>8}{'R idle':>8}{'r':>6}{'lag':>9}{'peak MB':>9}{'reward':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -228,6 +237,7 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
         name = _run_name(m.schedule, m.latency_scale, " x")
         lines.append(
             f"{name:<18}{m.step_s:>8.3f}{_fmt(m.speedup_vs_sync, 'x'):>9}{m.predicted_speedup:>7.3f}x"
+            f"{m.replay_vs_async:>6.3f}x"
             f"{m.mfu:>8.4f}{m.learner_service_s:>9.3f}{_fmt(m.learner_service_vs_sync, ''):>7}"
             f"{m.learner_idle:>8.2f}{m.rollout_idle:>8.2f}{m.rollout_learner_ratio:>6.2f}"
             f"{m.max_policy_lag:>4d}/{m.mean_policy_lag:<4.2f}{m.peak_learner_memory_mb:>9.0f}{m.mean_reward:>8.3f}"
@@ -240,8 +250,9 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
             lines.append(f"{name}: per repeat (run order alternates) speedup {speedups}; learn s xsync {service}")
     lines.append(
         "step: mean step wall time; speedup: sync step / step (ratio of means); replay: ThunderSync speedup this "
-        "run's release trace predicts; learn s: learner service per update (xsync: vs sync); idle: fraction of wall "
-        "time; r: rollout close / learner service; lag: max/mean policy lag"
+        "run's release trace predicts; ts/as: that replay's ThunderSync step over the trace's async estimate "
+        "max(R, L) + P (the floor against async for these ready times); learn s: learner service per update "
+        "(xsync: vs sync); idle: fraction of wall time; r: rollout close / learner service; lag: max/mean policy lag"
     )
     return "\n".join(lines)
 

@@ -94,9 +94,14 @@ class TraceReplay:
             raise ValueError(f"no updates left after warmup={warmup}")
         return sync, self._per_update("thundersync_end", rank, warmup)
 
+    def async_ends(self, rank: int | None = None, warmup: int = 0) -> list[float]:
+        """Per update after ``warmup``: the one-step-off async estimate max(R, L) + P (seconds), slowest rank unless
+        ``rank`` is given; pairs with :meth:`update_ends`."""
+        return self._per_update("async_end", rank, warmup)
+
     def summary(self, warmup: int = 0) -> dict:
         sync, streamed = self.update_ends(warmup=warmup)
-        async_ends = self._per_update("async_end", None, warmup)
+        async_ends = self.async_ends(warmup=warmup)
         return {
             "ranks": sorted(self.lanes),
             "updates": len(next(iter(self.lanes.values()))),
