@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 import transformers
 from transformers.cache_utils import DynamicLayer
 
+from tslightning.rollout.core_placement import check_cores, place_this_thread
 from tslightning.rollout.engine import (
     Generation,
     GenerationRequest,
@@ -93,8 +94,7 @@ class HFRolloutEngine:
                 f"HFRolloutEngine: prefix_cache_tokens must be >= 0 (0 disables reuse), got {prefix_cache_tokens}"
             )
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        if cpus is not None and (not cpus or not set(cpus) <= set(range(os.cpu_count() or 1))):
-            raise ValueError(f"HFRolloutEngine: cpus {list(cpus)} must name cores 0..{(os.cpu_count() or 1) - 1}")
+        check_cores("HFRolloutEngine", cpus)
         self._shared, self._aliases, self._vocab_size = _stage_initial_weights(model_path, dtype)
         self._policy_version = policy_version
         self._publish_timeout = publish_timeout
@@ -429,7 +429,7 @@ def _replica_main(
 ) -> None:
     try:
         if cpus is not None:
-            os.sched_setaffinity(0, cpus)
+            place_this_thread(cpus)
         torch.set_num_threads(threads)
         transformers.utils.logging.disable_progress_bar()
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()

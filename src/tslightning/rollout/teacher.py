@@ -8,7 +8,6 @@ future resolves, that turn is a ready OPD source.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from concurrent.futures import Future
 
 import torch
 
+from tslightning.rollout.core_placement import check_cores, place_this_thread
 from tslightning.scored_logprobs import batched_scored_logprobs
 
 
@@ -41,10 +41,7 @@ class TeacherScorer:
         pad_token_id: int = 0,
         cpus: Sequence[int] | None = None,
     ) -> None:
-        if cpus is not None and (not cpus or not set(cpus) <= set(range(os.cpu_count() or 1))):
-            raise ValueError(
-                f"TeacherScorer: cpus {list(cpus)} must be a non-empty list of cores in 0..{(os.cpu_count() or 1) - 1}"
-            )
+        check_cores("TeacherScorer", cpus)
         self.teacher = teacher.eval().requires_grad_(False)
         self.max_batch = max_batch
         self.pad_token_id = pad_token_id
@@ -81,7 +78,7 @@ class TeacherScorer:
 
     def _serve(self) -> None:
         if self.cpus is not None:
-            os.sched_setaffinity(0, self.cpus)  # 0: this thread (Linux affinity is per thread)
+            place_this_thread(self.cpus)
         while True:
             first = self._requests.get()
             if first is None:

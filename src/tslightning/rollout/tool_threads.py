@@ -11,10 +11,11 @@ place the loop's thread and its tool threads on the rollout's cores, away from a
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from tslightning.rollout.core_placement import place_this_thread
 
 T = TypeVar("T")
 
@@ -42,20 +43,16 @@ def run_with_tool_threads(
             f"max_concurrent_attempts must be >= 1 and cpus None or non-empty; got {max_concurrent_attempts}, {cpus}"
         )
     if cpus is not None:
-        _place(cpus)
+        place_this_thread(cpus)
 
     async def main() -> T:
         executor = ThreadPoolExecutor(
             max_concurrent_attempts + SPARE_THREADS,
             thread_name_prefix="tslightning-tool",
-            initializer=None if cpus is None else _place,
+            initializer=None if cpus is None else place_this_thread,
             initargs=() if cpus is None else (cpus,),
         )
         asyncio.get_running_loop().set_default_executor(executor)  # asyncio.run shuts it down on exit
         return await coroutine
 
     return asyncio.run(main())
-
-
-def _place(cpus: Sequence[int]) -> None:
-    os.sched_setaffinity(0, cpus)  # 0: the calling thread (Linux affinity is per thread)
