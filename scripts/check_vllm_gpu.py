@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from tslightning.models.tiny_model import CORPUS, load_tiny_model, save_tiny_model
 from tslightning.rollout.engine import Generation, GenerationRequest
 from tslightning.rollout.vllm_engine import VLLMRolloutEngine
-from tslightning.tiny_model import CORPUS, load_tiny_model, save_tiny_model
 
 
 def _gap(generation: Generation, model: torch.nn.Module, prompt: tuple[int, ...]) -> float:

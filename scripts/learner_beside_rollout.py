@@ -35,9 +35,10 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from tslightning.fit import RolloutSettings, _start_engine, _training_tasks, rollout_datamodule
+from tslightning.loop.settings import RolloutSettings
+from tslightning.loop.startup import rollout_datamodule, start_engine, training_tasks
+from tslightning.models.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
-from tslightning.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
 
 CONDITIONS = ("idle", "thread", "process")
 
@@ -54,9 +55,9 @@ def roll_out(config: dict, policy_dir: str, warm, stop) -> None:
     if settings.cpus is not None:
         os.sched_setaffinity(0, settings.cpus)  # in a thread: this thread (and the threads it starts) only
     _, tokenizer = load_tiny_model(policy_dir)
-    engine = _start_engine(settings, Path(policy_dir), "float32")
+    engine = start_engine(settings, Path(policy_dir), "float32")
     datamodule = rollout_datamodule(
-        settings, engine, tokenizer, _training_tasks(settings), "grpo", None, config.get("seed", 0)
+        settings, engine, tokenizer, training_tasks(settings), "grpo", None, config.get("seed", 0)
     )
     update = 0
     try:

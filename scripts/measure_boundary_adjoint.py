@@ -3,8 +3,8 @@
 Runs the streaming module (thundersync) on the offline tiny Qwen2 in float32 on one thread, over
 * one GRPO group of m trajectories sharing a long prompt (m = 4..8), and
 * one OPD trajectory of several turns, each turn's history extending the previous one,
-and prints, per group / trajectory, the learner FLOPs (App. B.1 accounting, :mod:`tslightning.learner_flops`) and the
-median learner service time (``update_timings["learner_service_s"]``: every source's backward and the deferred
+and prints, per group / trajectory, the learner FLOPs (App. B.1 accounting, :mod:`tslightning.measure.learner_flops`)
+and the median learner service time (``update_timings["learner_service_s"]``: every source's backward and the deferred
 context backward, not the barrier) for ``context_backward="recompute"`` and ``"boundary"``, and checks that both
 take the same update direction.
 
@@ -18,11 +18,11 @@ import statistics
 
 import torch
 
-from tslightning.batch_registry import BatchPlan, Objective
-from tslightning.learner_flops import DecoderShape, boundary_flops, source_flops
-from tslightning.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
-from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
-from tslightning.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+from tslightning.core.batch_registry import BatchPlan, Objective
+from tslightning.core.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.measure.learner_flops import DecoderShape, boundary_flops, source_flops
+from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
 
 def grpo_group(vocab: int, m: int, prompt: int, continuation: int, gen: torch.Generator) -> list:

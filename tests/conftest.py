@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tslightning.precision import compute_norms_in_float64
-from tslightning.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+from tslightning.learner.precision import compute_norms_in_float64
+from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

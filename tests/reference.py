@@ -1,7 +1,8 @@
 """An independent reference written straight from the paper, sharing no code with the streaming learner.
 
 Per trajectory Eq. 6 with ``torch.autograd.grad`` (GRPO); per turn Eq. 8-9 (OPD). Advantages are computed here
-from their textbook definitions (population / sample std, leave-one-out mean), not from tslightning.advantages.
+from their textbook definitions (population / sample std, leave-one-out mean), not from
+tslightning.objectives.advantages.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from tslightning import cli, verification
-from tslightning.replay_batches import WorkloadShape
+from tslightning import cli
+from tslightning.commands import verification
+from tslightning.core.replay_batches import WorkloadShape
 
 SMALL = WorkloadShape(num_groups=2, group_size=3, max_turns=2)
 

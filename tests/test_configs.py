@@ -8,7 +8,7 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from tslightning import cli
-from tslightning.fit import fit
+from tslightning.loop.fit import fit
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 

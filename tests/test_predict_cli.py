@@ -45,7 +45,7 @@ def test_predict_overrides_parameters(capsys):
 
 
 def test_predict_writes_plots(tmp_path, capsys, monkeypatch):
-    from tslightning import speedup_plots
+    from tslightning.measure import speedup_plots
 
     original = speedup_plots.write_speedup_surfaces
     monkeypatch.setattr(speedup_plots, "write_speedup_surfaces", lambda d, p: original(d, p, resolution=6))

@@ -1,14 +1,13 @@
 """tslightning: exact gradient streaming (ThunderSyncRL) for agentic RL on Lightning / Fabric.
 
-The data path, in order: sources and completion events (:mod:`tslightning.sources`) registered per logical batch
-(:mod:`tslightning.batch_registry`) → the streaming module's per-source backward and exact accumulators
-(:mod:`tslightning.streaming_module`, :mod:`tslightning.group_accumulator`, :mod:`tslightning.turn_accumulator`)
-→ the barrier: reduce, normalize, clip, one optimizer step.
+The data path, in order: sources and completion events (:mod:`tslightning.core.sources`) registered per logical batch
+(:mod:`tslightning.core.batch_registry`) → the streaming module's per-source backward and exact accumulators
+(:mod:`tslightning.learner.streaming_module`, :mod:`tslightning.core.group_accumulator`,
+:mod:`tslightning.core.turn_accumulator`) → the barrier: reduce, normalize, clip, one optimizer step.
 """
 
-from tslightning.advantages import AdvantageEstimator
-from tslightning.batch_registry import BatchPlan, Objective
-from tslightning.sources import (
+from tslightning.core.batch_registry import BatchPlan, Objective
+from tslightning.core.sources import (
     BatchClosed,
     GroupClosed,
     PolicyVersionError,
@@ -17,7 +16,8 @@ from tslightning.sources import (
     TrajectorySource,
     TurnSource,
 )
-from tslightning.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule, UpdateResult
+from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule, UpdateResult
+from tslightning.objectives.advantages import AdvantageEstimator
 
 __version__ = "0.1.0"
 

@@ -11,15 +11,15 @@ from typing import Literal
 
 from jsonargparse import CLI
 
-from tslightning.analytical_model import SpeedupModelParameters
-from tslightning.evaluation import format_report
-from tslightning.evaluation import validate as run_validation
-from tslightning.fit import RolloutSettings, fit
+from tslightning.commands.evaluation import format_report
+from tslightning.commands.evaluation import validate as run_validation
+from tslightning.commands.verification import DTypeName
+from tslightning.commands.verification import verify as run_verification
+from tslightning.loop.fit import RolloutSettings, fit
+from tslightning.measure.analytical_model import SpeedupModelParameters
 from tslightning.sandbox import Backend, SandboxUnavailableError
 from tslightning.tasks.rewards import RewardScheme
 from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
-from tslightning.verification import DTypeName
-from tslightning.verification import verify as run_verification
 
 _BARE_FLAGS = ("--json",)
 
@@ -150,7 +150,7 @@ def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
         warmup: Leading updates left out of the means (App. B.3 window).
         json: Print the summary as JSON.
     """
-    from tslightning.trace_replay import replay_trace
+    from tslightning.measure.trace_replay import replay_trace
 
     summary = replay_trace(trace).summary(warmup=warmup)
     if json:
@@ -202,8 +202,8 @@ def bench(
             drift in the machine's speed over the bench then cancels instead of favouring the schedules run first;
             each repeat's own speedups are printed beside the table.
     """
-    from tslightning.bench import bench as run_bench
-    from tslightning.bench import format_table, write_pictures
+    from tslightning.commands.bench import bench as run_bench
+    from tslightning.commands.bench import format_table, write_pictures
 
     try:
         measurements = run_bench(
@@ -265,7 +265,7 @@ def predict(
         plots: Also write Figs. 9 and 10 (speedup over r × turns and r × batch, GRPO and OPD) as PNGs here.
         json: Print the prediction as JSON.
     """
-    from tslightning.analytical_model import predict_speedup
+    from tslightning.measure.analytical_model import predict_speedup
 
     try:
         parameters = SpeedupModelParameters(
@@ -277,7 +277,7 @@ def predict(
         sys.exit(2)
     written = []
     if plots is not None:
-        from tslightning.speedup_plots import write_speedup_surfaces
+        from tslightning.measure.speedup_plots import write_speedup_surfaces
 
         written = [str(path) for path in write_speedup_surfaces(plots, parameters)]
     if json:

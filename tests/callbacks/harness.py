@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
-from tslightning.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.core.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
+from tslightning.core.sources import BatchClosed
 from tslightning.rollout.engine import PublishReceipt
-from tslightning.sources import BatchClosed
 
 SMALL = WorkloadShape(
     num_groups=2, group_size=3, max_turns=2, prompt_tokens=(3, 6), action_tokens=(2, 4), observation_tokens=(2, 4)

@@ -10,8 +10,8 @@ import torch
 from harness import fabric_barrier, fit, grpo_batch, grpo_batches
 
 from tslightning.callbacks import BatchBarrier
-from tslightning.sources import PolicyVersionError, SourceError
-from tslightning.streaming_module import StreamingPolicyModule
+from tslightning.core.sources import PolicyVersionError, SourceError
+from tslightning.learner.streaming_module import StreamingPolicyModule
 
 
 def test_trainer_passes_one_barrier_per_update(make_policy, vocab_size, tmp_path):

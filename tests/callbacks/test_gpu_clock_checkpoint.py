@@ -13,10 +13,10 @@ from harness import HOSTS, FakeEngine, fit, grpo_batches
 from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import GPUClockCheckpoint, WeightPublisher
-from tslightning.checkpoint_state import checkpoint_dirs, policy_hash, read_meta, restore_checkpoint
-from tslightning.replay_batches import ReplayBatch
-from tslightning.sources import BatchClosed, TrajectorySource
-from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.callbacks.checkpoint_state import checkpoint_dirs, policy_hash, read_meta, restore_checkpoint
+from tslightning.core.replay_batches import ReplayBatch
+from tslightning.core.sources import BatchClosed, TrajectorySource
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
 
 META_FIELDS = {
     "format_version",
@@ -252,7 +252,7 @@ def test_a_lora_policy_resumes_with_its_adapters(make_policy, vocab_size, tmp_pa
 
 def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_path):
     pytest.importorskip("deepspeed")
-    from tslightning.deepspeed_cpu import CPUDeepSpeedStrategy
+    from tslightning.distributed.deepspeed_cpu import CPUDeepSpeedStrategy
 
     callback = GPUClockCheckpoint(tmp_path, 3600.0)
     trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))

@@ -11,7 +11,7 @@ from harness import HOSTS, MemoryLogger, grpo_batch, run_updates
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tslightning.callbacks import GradientClipping
-from tslightning.streaming_module import StreamingPolicyModule
+from tslightning.learner.streaming_module import StreamingPolicyModule
 
 TORCH_CLIP_EPS = 1e-6
 

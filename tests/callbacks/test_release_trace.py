@@ -11,10 +11,10 @@ import torch
 from harness import SMALL, fit, grpo_batches, run_with_fabric_calls
 
 from tslightning.callbacks import ReleaseTraceRecorder, read_trace
-from tslightning.replay_batches import ReplayBatch, synthetic_grpo_batch, synthetic_opd_batch
+from tslightning.core.replay_batches import ReplayBatch, synthetic_grpo_batch, synthetic_opd_batch
+from tslightning.core.sources import TrajectorySource, TurnSource
+from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.rollout.rollout_datamodule import ReadyRecord
-from tslightning.sources import TrajectorySource, TurnSource
-from tslightning.streaming_module import StreamingPolicyModule
 
 
 def _key(kind: str, group: str, trajectory: int, turn: int | None) -> tuple:

@@ -10,8 +10,8 @@ from harness import SMALL, MemoryLogger, fit, grpo_batch, grpo_batches
 
 from tslightning.callbacks import StalenessMonitor
 from tslightning.callbacks.staleness_monitor import policy_lags
-from tslightning.sources import BatchClosed, PolicyVersionError
-from tslightning.streaming_module import StreamingPolicyModule
+from tslightning.core.sources import BatchClosed, PolicyVersionError
+from tslightning.learner.streaming_module import StreamingPolicyModule
 
 SOURCES = SMALL.num_groups * SMALL.group_size
 

@@ -14,11 +14,11 @@ from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import WeightPublisher
 from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.core.sources import BatchClosed
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
 from tslightning.rollout.hf_engine import HFRolloutEngine
-from tslightning.sources import BatchClosed
-from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
-from tslightning.tiny_model import load_tiny_model, save_tiny_model
 
 ENGINE_ATOL = 2e-5  # float32: the engine's cached decode vs one full forward in the learner
 

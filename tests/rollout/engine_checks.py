@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tslightning.models.tiny_model import CORPUS, load_tiny_model, save_tiny_model
 from tslightning.rollout.engine import Generation, GenerationRequest, RolloutEngine
-from tslightning.tiny_model import CORPUS, load_tiny_model, save_tiny_model
 
 ATOL = 2e-5  # float32: the engine's batched, cached decode vs one full forward in the learner
 

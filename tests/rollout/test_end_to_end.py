@@ -11,20 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tslightning.batch_registry import BatchPlan
+from tslightning.core.batch_registry import BatchPlan
+from tslightning.core.sources import BatchClosed, TrajectorySource
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.loop.warm_start import supervised_warm_start
+from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.action_parser import ShellCommand
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.engine import GenerationRequest
 from tslightning.rollout.hf_engine import HFRolloutEngine
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.vllm_engine import VLLMRolloutEngine
-from tslightning.sources import BatchClosed, TrajectorySource
-from tslightning.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.tasks.demonstrations import Demonstration, reference_demonstration
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import library_dir
-from tslightning.tiny_model import load_tiny_model, save_tiny_model
-from tslightning.warm_start import Demonstration, reference_demonstration, supervised_warm_start
 
 TASK_NAMES = ("count-lines", "dedupe-lines", "sed-replace-text")
 WRONG_COMMANDS = {  # plausible near-misses, demonstrated beside the reference so rewards spread within a group

@@ -7,7 +7,7 @@ import torch
 from engine_checks import chat_prompts, rescore, saved_tiny_model
 
 from tslightning.rollout.engine import GenerationRequest
-from tslightning.rollout.hf_engine import _sample_batch, supports_prefix_cache
+from tslightning.rollout.hf_replica import _sample_batch, supports_prefix_cache
 from tslightning.rollout.prefix_cache import PrefixKVCache
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from fakes import RecordingAttempt, ScriptedEngine
 
-from tslightning.batch_registry import BatchPlan, Objective
+from tslightning.core.batch_registry import BatchPlan, Objective
+from tslightning.core.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
+from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
-from tslightning.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
-from tslightning.streaming_module import StreamingPolicyModule
 
 
 @dataclass(frozen=True)

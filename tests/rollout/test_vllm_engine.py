@@ -25,9 +25,9 @@ from engine_checks import (
     saved_tiny_model,
 )
 
+from tslightning.models.tiny_model import CORPUS
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
 from tslightning.rollout.vllm_engine import VLLMRolloutEngine
-from tslightning.tiny_model import CORPUS
 
 
 def test_vllm_is_installed():

@@ -1,7 +1,7 @@
 """The optimizer barrier's preconditions (Eq. 3), checked at the one step of an update.
 
-:meth:`~tslightning.streaming_module.StreamingPolicyModule.barrier` already refuses an incomplete batch before it
-writes the batch direction; :class:`BatchBarrier` checks again at the step itself, so an optimizer step that did not
+:meth:`~tslightning.learner.streaming_module.StreamingPolicyModule.barrier` already refuses an incomplete batch before
+it writes the batch direction; :class:`BatchBarrier` checks again at the step itself, so an optimizer step that did not
 come from a complete logical batch at one policy version — a stray ``optimizer.step()``, a loop that skipped the
 barrier, a source served at another version — fails loudly instead of moving θ.
 """
@@ -13,8 +13,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.batch_registry import BatchRegistry
-from tslightning.sources import PolicyVersionError, SourceError
+from tslightning.core.batch_registry import BatchRegistry
+from tslightning.core.sources import PolicyVersionError, SourceError
 
 _SHOWN = 8  # offending sources named in an error message
 
@@ -24,7 +24,7 @@ class BatchBarrier(L.Callback):
 
     Works under a Lightning ``Trainer`` (its LightningOptimizer calls ``on_before_optimizer_step`` inside ``step``)
     and under a Fabric loop that passes ``before_step=lambda: fabric.call("on_before_optimizer_step", fabric,
-    module, optimizer)`` to :meth:`~tslightning.streaming_module.StreamingPolicyModule.barrier`.
+    module, optimizer)`` to :meth:`~tslightning.learner.streaming_module.StreamingPolicyModule.barrier`.
 
     Args:
         zero_staleness: Also require the batch plan and every served source to carry the learner's version k
@@ -39,7 +39,7 @@ class BatchBarrier(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer | L.Fabric, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Raise :class:`~tslightning.sources.SourceError` (or its ``PolicyVersionError``) before a premature step.
+        """Raise :class:`~tslightning.core.sources.SourceError` (or its ``PolicyVersionError``) before a premature step.
 
         Raises:
             SourceError: If no logical batch is open, or a registered trajectory, group or turn, or the batch

@@ -3,9 +3,9 @@
 GPU-clock is training wall clock × learner devices: with ``interval_s=3600`` (one GPU-hour) a run on 8 devices
 checkpoints every 7.5 minutes of wall clock, one on a single device every hour. A checkpoint becomes *due* when the
 GPU-clock since the last one reaches the interval (or :meth:`GPUClockCheckpoint.request` is called); it is *written*
-at the next :class:`~tslightning.sources.BatchClosed` — after the update's step and the publication of θ_{k+1} — never
-in the middle of an update, so it holds no half-folded statistics and a resumed run restarts at a clean update
-boundary. What one checkpoint holds and how it is written atomically is :mod:`tslightning.checkpoint_state`.
+at the next :class:`~tslightning.core.sources.BatchClosed` — after the update's step and the publication of θ_{k+1} —
+never in the middle of an update, so it holds no half-folded statistics and a resumed run restarts at a clean update
+boundary. What one checkpoint holds and how it is written atomically is :mod:`tslightning.callbacks.checkpoint_state`.
 
 The callback touches only what both a ``Trainer`` and a ``Fabric`` expose (``.strategy``, ``.global_rank``,
 ``.world_size``), like Lightning's ``SpikeDetection``, plus the list of callbacks whose state it saves.
@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
-from tslightning.checkpoint_state import (
+from tslightning.callbacks.checkpoint_state import (
     FORMAT_VERSION,
     META_FILE,
     STATE_FILE,
@@ -38,7 +38,7 @@ from tslightning.checkpoint_state import (
     save_file,
     write_meta,
 )
-from tslightning.sources import BatchClosed
+from tslightning.core.sources import BatchClosed
 
 
 class GPUClockCheckpoint(Checkpoint):

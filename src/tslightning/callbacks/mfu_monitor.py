@@ -1,9 +1,9 @@
 """Trainer active MFU (Eq. 10) and the step-time breakdown of each update, under a Trainer or Fabric.
 
 For update k, MFU_k = F_k^train / (T_k^step · Σ_d P_d) (App. B.1): the learner model FLOPs of the update (counted by
-:mod:`tslightning.learner_flops` from the architecture and each served source's token count), over the complete
+:mod:`tslightning.measure.learner_flops` from the architecture and each served source's token count), over the complete
 update wall time times the peak FLOP/s of every learner device. The wall time starts when the update's
-:class:`~tslightning.batch_registry.BatchPlan` arrives (its first rollout request) and ends after the publication
+:class:`~tslightning.core.batch_registry.BatchPlan` arrives (its first rollout request) and ends after the publication
 callbacks ordered before this one have had the replicas acknowledge θ_{k+1} (App. B.3); rollout waiting and idle
 gaps stay in it. Each source is credited its own tokens: the padding of the ``sync`` schedule's micro-batches, which
 App. B.1 would count as executed work, is left out, so every schedule is credited the same learner FLOPs.
@@ -29,9 +29,9 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype, get_available_flops
 
-from tslightning.batch_registry import BatchPlan
-from tslightning.learner_flops import DecoderShape, WeightTraining, learner_flops
-from tslightning.sources import BatchClosed
+from tslightning.core.batch_registry import BatchPlan
+from tslightning.core.sources import BatchClosed
+from tslightning.measure.learner_flops import DecoderShape, WeightTraining, learner_flops
 
 
 @dataclass(frozen=True)

@@ -4,24 +4,23 @@ T = max(R, c_n) + P (Eqs. 14-15), one lane per rank.
 
 Each rank appends to its own ``trace-rank{r}.jsonl`` in ``path``, one JSON object per line, flushed at the end of every
 update, so a run that stops keeps every finished update. Times are seconds relative to the update's start (its
-:class:`~tslightning.batch_registry.BatchPlan`). Works under a Trainer and Fabric (it touches ``.global_rank`` only).
+:class:`~tslightning.core.batch_registry.BatchPlan`). Works under a Trainer and Fabric (it touches ``.global_rank``
+only).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 
-from tslightning.batch_registry import BatchPlan
-from tslightning.sources import BatchClosed
-
-_TRACE_FILE = re.compile(r"trace-rank(\d+)\.jsonl")
+from tslightning.core.batch_registry import BatchPlan
+from tslightning.core.sources import BatchClosed
+from tslightning.measure.trace_file import trace_file_name
 
 
 class ReleaseTraceRecorder(L.Callback):
@@ -53,7 +52,7 @@ class ReleaseTraceRecorder(L.Callback):
 
     def trace_file(self, rank: int) -> Path:
         """The trace file rank ``rank`` appends to."""
-        return self.path / f"trace-rank{rank}.jsonl"
+        return self.path / trace_file_name(rank)
 
     def on_train_batch_start(self, trainer: L.Trainer | L.Fabric, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """A :class:`BatchPlan` is the update's time origin; :class:`BatchClosed` marks when the learner saw R."""
@@ -148,16 +147,3 @@ class ReleaseTraceRecorder(L.Callback):
 
 def _closes(record: Any, version: int) -> bool:
     return record.kind == BatchClosed.__name__ and record.policy_version == version
-
-
-def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of one trace file, or of every rank's file in a trace directory (in rank order)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.iterdir() if _TRACE_FILE.fullmatch(p.name)),
-            key=lambda p: int(_TRACE_FILE.fullmatch(p.name).group(1)),
-        )
-    else:
-        files = [path]
-    return [json.loads(line) for file in files for line in file.read_text().splitlines() if line.strip()]

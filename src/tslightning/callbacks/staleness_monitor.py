@@ -11,8 +11,8 @@ from typing import Any
 
 import lightning as L
 
-from tslightning.sources import BatchClosed, PolicyVersionError
-from tslightning.streaming_module import ServiceRecord
+from tslightning.core.sources import BatchClosed, PolicyVersionError
+from tslightning.learner.streaming_module import ServiceRecord
 
 _SHOWN = 8  # offending sources named in an error message
 
@@ -26,7 +26,7 @@ class StalenessMonitor(L.Callback):
     """Logs per-update policy lag (``staleness/max_policy_lag``, ``staleness/mean_policy_lag``) and bounds it.
 
     Reads the module's ``service_log`` when an update ends (``on_train_batch_end`` with
-    :class:`~tslightning.sources.BatchClosed`), where the update was computed at k = ``policy_version − 1``.
+    :class:`~tslightning.core.sources.BatchClosed`), where the update was computed at k = ``policy_version − 1``.
 
     Args:
         max_policy_lag: Largest lag allowed; 0 for the zero-staleness schedules, 1 for ``async``.

@@ -16,10 +16,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.fsdp_gradients import full_state_dict, shards_parameters
+from tslightning.core.sources import BatchClosed
+from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
+from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
-from tslightning.sources import BatchClosed
-from tslightning.zero_gradients import gathered_parameters, partitions_parameters
 
 
 class WeightPublisher(L.Callback):
@@ -57,7 +57,7 @@ class WeightPublisher(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """On :class:`~tslightning.sources.BatchClosed` (the update took its step), publish θ_{k+1} and wait.
+        """On :class:`~tslightning.core.sources.BatchClosed` (the update took its step), publish θ_{k+1} and wait.
 
         Raises:
             RolloutEngineError: If a replica did not acknowledge (in ``timeout_s``), or the receipt names another

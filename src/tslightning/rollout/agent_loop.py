@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from tslightning.core.sources import TrajectorySource, TurnSource
 from tslightning.rollout.action_parser import (
     ACTION_FORMAT_PROMPT,
     PARSER_ERROR_OBSERVATION,
@@ -27,7 +28,6 @@ from tslightning.rollout.action_parser import (
 )
 from tslightning.rollout.engine import Generation, GenerationRequest, RolloutEngine, sampling_seed
 from tslightning.rollout.observation import ObservationWindow, keep_head_and_tail, status_line
-from tslightning.sources import TrajectorySource, TurnSource
 
 
 @dataclass(frozen=True)

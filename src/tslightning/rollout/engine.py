@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -122,3 +122,53 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Stop replicas and free their resources."""
+
+
+class QueuedEngine:
+    """What the in-process engines share: requests answered through futures, the acknowledged policy version, and one
+    usability state — after a failure or ``close`` every call raises :class:`RolloutEngineError`.
+
+    Subclasses set ``_policy_version``, ``_failure`` (``None`` while healthy) and ``_closed`` in ``__init__`` and
+    implement ``_submit`` (validate and queue a list of requests, one future each) and ``close``.
+    """
+
+    _policy_version: int
+    _failure: str | None
+    _closed: bool
+
+    @property
+    def policy_version(self) -> int:
+        """Version every replica has acknowledged."""
+        return self._policy_version
+
+    def submit(self, request: GenerationRequest) -> Future[Generation]:
+        """Queue one request; the future resolves to its :class:`Generation`."""
+        return self._submit([request])[0]
+
+    def generate(self, requests: Sequence[GenerationRequest], timeout: float | None = None) -> list[Generation]:
+        """Submit all requests at once (so they can share batches), wait for all, in request order."""
+        return [future.result(timeout) for future in self._submit(list(requests))]
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _submit(self, requests: list[GenerationRequest]) -> list[Future[Generation]]:
+        raise NotImplementedError
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise RolloutEngineError(self._failure)
+        if self._closed:
+            raise RolloutEngineError("The rollout engine is closed.")
+
+    def _check_next_version(self, policy_version: int) -> None:
+        """Refuse a publication that does not advance the version, and any publication to an unusable engine."""
+        if policy_version <= self._policy_version:
+            raise ValueError(f"policy_version must increase: {policy_version} <= {self._policy_version}.")
+        self._raise_if_unusable()

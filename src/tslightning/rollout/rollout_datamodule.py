@@ -1,6 +1,6 @@
 """The rollout DataModule: runs each update's attempts and yields objective sources in readiness order.
 
-For update k it registers the logical batch (:class:`~tslightning.batch_registry.BatchPlan` at the engine's current
+For update k it registers the logical batch (:class:`~tslightning.core.batch_registry.BatchPlan` at the engine's current
 policy version), starts every attempt concurrently on a background event loop, and yields — in the order they
 become ready — GRPO trajectory sources (when their reward arrives) or OPD turn sources (when the teacher has scored
 them), the completion events, and finally ``BatchClosed``. Each item's ready time and policy version are recorded
@@ -22,13 +22,13 @@ from typing import Protocol
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from tslightning.batch_registry import BatchPlan, Objective
-from tslightning.rank_assignment import RankAssignment, units_of
+from tslightning.core.batch_registry import BatchPlan, Objective
+from tslightning.core.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
+from tslightning.distributed.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.tool_threads import run_with_tool_threads
-from tslightning.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
 
 
 class RolloutTask(Protocol):
@@ -77,7 +77,7 @@ class RolloutDataModule(L.LightningDataModule):
         updates: How many updates ``train_dataloader`` yields (``None``: until stopped).
         max_concurrent_attempts: Attempts in flight at once (tools and generation of the others overlap).
         rank: This learner rank's global rank: it rolls out only the groups (GRPO) or trajectories (OPD) that
-            :mod:`tslightning.rank_assignment` gives it, with its own engine, and registers only those.
+            :mod:`tslightning.distributed.rank_assignment` gives it, with its own engine, and registers only those.
         world_size: Learner ranks sharing each logical batch of ``prompts_per_update`` prompts.
         cpus: Cores the agent loop runs on (its event-loop thread and tool threads), e.g. the rollout replicas'
             cores, so the loop's Python work does not compete with a learner in this process; ``None``: unchanged.

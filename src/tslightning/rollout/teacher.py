@@ -15,8 +15,8 @@ from concurrent.futures import Future
 
 import torch
 
+from tslightning.objectives.scored_logprobs import batched_scored_logprobs
 from tslightning.rollout.core_placement import check_cores, place_this_thread
-from tslightning.scored_logprobs import batched_scored_logprobs
 
 
 class TeacherScorer:

@@ -29,7 +29,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +40,7 @@ from tslightning.rollout.engine import (
     Generation,
     GenerationRequest,
     PublishReceipt,
+    QueuedEngine,
     RolloutEngineError,
     validate_request,
 )
@@ -52,7 +53,7 @@ _CPU_KV_CACHE_BYTES = 256 * 2**20
 _STOP = object()
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(QueuedEngine):
     """One vLLM ``LLM`` serving rollouts, with in-place, acknowledged weight publication.
 
     Args:
@@ -137,19 +138,6 @@ class VLLMRolloutEngine:
         self._dispatcher = threading.Thread(target=self._dispatch, name="vllm-rollout-dispatcher", daemon=True)
         self._dispatcher.start()
 
-    @property
-    def policy_version(self) -> int:
-        """Version the engine serves (acknowledged by every worker)."""
-        return self._policy_version
-
-    def submit(self, request: GenerationRequest) -> Future[Generation]:
-        """Queue one request; the future resolves to its :class:`Generation`."""
-        return self._submit([request])[0]
-
-    def generate(self, requests: Sequence[GenerationRequest], timeout: float | None = None) -> list[Generation]:
-        """Submit all requests at once (one ``LLM.generate`` batch), wait for all, in request order."""
-        return [future.result(timeout) for future in self._submit(list(requests))]
-
     def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
         """Reload every worker's weights in place from ``state_dict`` (HF names), reset the prefix cache, stamp.
 
@@ -159,9 +147,7 @@ class VLLMRolloutEngine:
         """
         with self._publish_lock:
             start = time.perf_counter()
-            if policy_version <= self._policy_version:
-                raise ValueError(f"policy_version must increase: {policy_version} <= {self._policy_version}.")
-            self._raise_if_unusable()
+            self._check_next_version(policy_version)
             # No reload is running (publish_lock) and the last one finished: workers are not reading the buffer.
             if self._weights is None or not self._weights.matches(state_dict):
                 if self._weights is not None:
@@ -198,12 +184,6 @@ class VLLMRolloutEngine:
         if self._weights is not None:
             self._weights.close()
 
-    def __enter__(self) -> VLLMRolloutEngine:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def _submit(self, requests: list[GenerationRequest]) -> list[Future[Generation]]:
         for request in requests:
             validate_request(request, self._vocab_size)
@@ -217,12 +197,6 @@ class VLLMRolloutEngine:
             self._raise_if_unusable()
             self._inbox.put(("generate", list(zip(requests, futures, strict=True))))
         return futures
-
-    def _raise_if_unusable(self) -> None:
-        if self._failure is not None:
-            raise RolloutEngineError(self._failure)
-        if self._closed:
-            raise RolloutEngineError("The rollout engine is closed.")
 
     def _dispatch(self) -> None:
         """Dispatcher thread: the only user of ``self._llm``; serves batches and publications in arrival order."""

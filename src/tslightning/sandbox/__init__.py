@@ -3,6 +3,8 @@
 ``AttemptDirectory`` holds one attempt's ``/app``, ``/tests``, ``/logs/verifier`` and ``/oracle``;
 ``make_sandbox(backend, attempt=...)`` gives a ``Sandbox`` whose ``run(command)`` returns a ``CommandResult``:
 exit status, bounded terminal output, and which ``SandboxLimits`` limit (if any) stopped the command.
+
+Layer: at the bottom; imports nothing else of tslightning.
 """
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount

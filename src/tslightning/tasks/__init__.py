@@ -8,6 +8,8 @@
 - :mod:`~tslightning.tasks.swe_smith`: SWE-smith JSONL records.
 
 ``library/`` ships small terminal tasks in the Harbor layout (see :func:`library_dir`).
+
+Layer: above ``sandbox`` (where attempts and verifiers run), which is all it imports.
 """
 
 from tslightning.tasks.rewards import RewardReading, RewardScheme, binary_reward, read_reward_files, seta_reward

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from types import TracebackType
 
-from tslightning.warm_start import Demonstration
+from tslightning.tasks.demonstrations import Demonstration
 
 GAUGE_COMMAND = "read-gauge"
 

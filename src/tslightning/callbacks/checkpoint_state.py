@@ -1,0 +1,214 @@
+"""What one checkpoint holds, how it reaches disk atomically, and how a run resumes from it (SPEC §4).
+
+A checkpoint is a directory ``update-<k>`` written after update k's optimizer step and publication::
+
+    update-<k>/
+        state.pt        # module state_dict, optimizer_states, callbacks, policy_version, num_optimizer_steps,
+                        # next_update (the data position: k + 1)
+        rng-rank<r>.pt  # python random, numpy (if installed), torch CPU and CUDA generator states of rank r
+        meta.json       # seed, update, policy version and hash, publication time, trajectories and scored tokens
+                        # seen, GPU-clock seconds, the resolved run config
+
+It is assembled in ``.tmp-update-<k>`` beside it and renamed into place with ``os.replace``, so a directory named
+``update-<k>`` is always complete. The files are plain ``torch.save`` dicts (keys named like Lightning's checkpoints):
+the learner is replicated — every rank holds the full θ and AdamW state, which publication relies on too — so rank 0's
+copy is the whole state, and ``torch.load`` reads it without Lightning, a Trainer or the Fabric that wrote it. A
+sharded strategy (FSDP, DeepSpeed) would need ``fabric.save`` / the strategy's own checkpoint IO instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+_CHECKPOINT_DIR = re.compile(r"update-(\d+)")
+
+
+def checkpoint_name(update: int) -> str:
+    """The directory name of the checkpoint written after update ``update``."""
+    return f"update-{update}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+def policy_hash(policy: torch.nn.Module) -> str:
+    """SHA-256 over the trainable parameters: each name, dtype, shape and raw bytes, in sorted name order.
+
+    For a peft model that is the adapters. Two policies with equal hashes hold bit-identical trainable weights.
+    """
+    digest = hashlib.sha256()
+    trainable = sorted((name, p) for name, p in policy.named_parameters() if p.requires_grad)
+    for name, parameter in trainable:
+        tensor = parameter.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())  # via uint8: numpy has no bfloat16
+    return "sha256:" + digest.hexdigest()
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's random generator states, in types ``torch.load(weights_only=True)`` accepts."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        name, keys, position, has_gauss, gauss = np.random.get_state()
+        states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), position, has_gauss, gauss)
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_states` captured (a generator missing on either side is left alone)."""
+    random.setstate(_as_tuples(states["python"]))
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        import numpy as np
+
+        name, keys, position, has_gauss, gauss = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """``torch.save`` then fsync, so the rename that publishes the directory never precedes the data."""
+    with path.open("wb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def write_meta(meta: Mapping[str, Any], path: Path) -> None:
+    with path.open("w") as file:
+        json.dump(meta, file, indent=2, default=str)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def install_directory(tmp: Path, final: Path) -> None:
+    """Rename a complete ``tmp`` directory to ``final``; a stale ``final`` (from an abandoned timeline — a run resumed
+    from an older checkpoint writes the same names again) is moved aside first and then deleted."""
+    stale = None
+    if final.exists():
+        stale = final.with_name(f".stale-{final.name}")
+        shutil.rmtree(stale, ignore_errors=True)
+        os.replace(final, stale)
+    os.replace(tmp, final)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def checkpoint_dirs(dirpath: str | os.PathLike[str]) -> list[Path]:
+    """The complete checkpoints in ``dirpath``, oldest update first."""
+    root = Path(dirpath)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def prune(dirpath: str | os.PathLike[str], keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest checkpoints; returns the deleted directories."""
+    doomed = checkpoint_dirs(dirpath)[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``meta.json`` of the checkpoint directory ``path``."""
+    return json.loads((Path(path) / META_FILE).read_text())
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a restored run continues.
+
+    Attributes:
+        next_update: The first update index to run (the checkpoint was written after update ``next_update - 1``).
+        policy_version: The module's restored version k; the rollout engine must serve θ_k before update k starts.
+        meta: The checkpoint's ``meta.json``.
+    """
+
+    next_update: int
+    policy_version: int
+    meta: dict[str, Any]
+
+
+def restore_checkpoint(
+    path: str | os.PathLike[str],
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    callbacks: Iterable[Any] = (),
+    rank: int = 0,
+) -> ResumePoint:
+    """Load a checkpoint directory into a freshly built module, its optimizer(s) and callbacks, and restore RNG.
+
+    Args:
+        path: An ``update-<k>`` directory written by :class:`~tslightning.callbacks.GPUClockCheckpoint`.
+        module: The :class:`~tslightning.learner.streaming_module.StreamingPolicyModule` (plain or Fabric-wrapped),
+        built
+            exactly as in the run that wrote the checkpoint (same model, same LoRA settings).
+        optimizers: Its optimizers, in ``configure_optimizers`` order.
+        callbacks: Callbacks whose ``state_key`` appears in the checkpoint get their ``load_state_dict`` called.
+        rank: Global rank of this process: it restores ``rng-rank<rank>.pt`` (rank 0's file when there is none).
+
+    Raises:
+        FileNotFoundError: If ``path`` is not a complete checkpoint directory.
+        RuntimeError: If the restored trainable weights do not hash to the checkpoint's ``policy_hash``.
+    """
+    path = Path(path)
+    if not (path / STATE_FILE).is_file() or not (path / META_FILE).is_file():
+        siblings = ", ".join(p.name for p in checkpoint_dirs(path.parent)) or "none"
+        raise FileNotFoundError(
+            f"resume: {path} is not a checkpoint directory (it needs {STATE_FILE} and {META_FILE}); complete "
+            f"checkpoints in {path.parent}: {siblings}"
+        )
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    meta = read_meta(path)
+    module.load_state_dict(state["state_dict"], strict=True)
+    optimizers = list(optimizers)
+    if len(optimizers) != len(state["optimizer_states"]):
+        raise RuntimeError(
+            f"resume: the checkpoint holds {len(state['optimizer_states'])} optimizer state(s) but the module "
+            f"configured {len(optimizers)}"
+        )
+    for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    module.policy_version = state["policy_version"]
+    module.num_optimizer_steps = state["num_optimizer_steps"]
+    for callback in callbacks:
+        if callback.state_key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][callback.state_key])
+    rng = path / rng_file(rank)
+    set_rng_states(torch.load(rng if rng.is_file() else path / rng_file(0), weights_only=True))
+    restored = policy_hash(getattr(module, "policy", module))
+    if restored != meta["policy_hash"]:
+        raise RuntimeError(
+            f"resume: the restored weights hash to {restored} but {path / META_FILE} records {meta['policy_hash']}; "
+            "build the policy as the checkpointed run did (model.path, model.lora)"
+        )
+    return ResumePoint(state["next_update"], state["policy_version"], meta)
+
+
+def _as_tuples(value: Any) -> Any:
+    """``random.setstate`` needs tuples; a round trip through some serializers yields lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value

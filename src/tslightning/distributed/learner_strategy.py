@@ -1,0 +1,97 @@
+"""Learner ranks for ``tslightning fit``: devices, nodes and the Fabric strategy that connects them.
+
+Every learner rank rolls out its own share of each logical batch (:mod:`tslightning.distributed.rank_assignment`) with
+its own rollout engine, streams those sources, and meets the other ranks at the barrier, where the batch direction is
+all-reduced (Eq. 3). A rank that fails, dies or hangs fails the update on every rank
+(:mod:`tslightning.distributed.rank_failure`) within ``timeout_s``.
+
+Launching several ranks (Fabric's launchers; every rank runs the same command line):
+
+* One machine: ``tslightning fit --config C --learner.devices 2 --learner.strategy ddp``. Fabric re-runs the
+  command line for ranks 1..devices−1 (on CPU over gloo, on GPUs over NCCL).
+* torchrun: ``torchrun --nnodes N --nproc-per-node D --rdzv-endpoint HOST:PORT -m tslightning.cli fit --config C
+  --learner.devices D --learner.num_nodes N --learner.strategy ddp`` on every node; Fabric reads the ranks from
+  torchrun's environment.
+* SLURM: ``srun --nodes N --ntasks-per-node D tslightning fit --config C --learner.devices D --learner.num_nodes N
+  --learner.strategy ddp`` inside an ``sbatch`` allocation; Fabric's SLURM environment reads ``SLURM_PROCID`` etc.
+
+Strategies: ``ddp`` (replicated parameters), ``deepspeed_stage_2`` (ZeRO-2: partitioned optimizer state and
+gradients; the direction reaches them through :mod:`tslightning.distributed.zero_gradients`; float32 at most — DeepSpeed
+has no float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partitioned too; every forward gathers each
+layer in a collective, so the ranks serve their sources in lock-step ticks, :mod:`tslightning.distributed.lockstep`,
+with the ``recompute`` context backward) stream exactly on several ranks. DeepSpeed partitions the optimizer state,
+which the GPU-clock checkpoint (rank 0's replicated copy) cannot hold, so ``fit`` needs ``checkpoint.enabled=false``
+with them. ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's ``ModelParallelStrategy``
+(:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like ZeRO-3 it serves sources in
+lock-step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
+
+
+@dataclass
+class LearnerSettings:
+    """Learner ranks: ``devices`` per node × ``num_nodes``, connected by ``strategy``."""
+
+    devices: int = 1
+    """Learner ranks per node (processes; one GPU each on GPUs)."""
+    num_nodes: int = 1
+    """Nodes; launch one process per device on each (torchrun or SLURM, see the module docstring)."""
+    strategy: StrategyName = "auto"
+    """``auto`` (one rank: no strategy; several: ``ddp``), ``ddp``, ``deepspeed_stage_2`` (also on CPU, over gloo);
+    ``deepspeed_stage_3`` and ``fsdp`` (FSDP2; both shard the parameters, serve sources in lock-step ticks and need
+    ``context_backward=recompute``)."""
+    timeout_s: float = 1800.0
+    """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
+    cpus: list[int] | None = None
+    """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
+    places rollout and learner on separate cores, as the CPU benchmark does."""
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    def problems(self, schedule: str) -> list[str]:
+        """Everything wrong with these settings for ``schedule``, each naming the key and the fix."""
+        problems = []
+        if self.devices < 1 or self.num_nodes < 1:
+            problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
+        if not self.timeout_s > 0:
+            problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
+        if self.world_size > 1 and schedule == "fully_async":
+            problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
+        return problems
+
+
+def learner_strategy(settings: LearnerSettings, accelerator: str):
+    """The Fabric strategy for ``settings`` on ``accelerator`` (a name Fabric accepts, or a strategy object)."""
+    from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+
+    from tslightning.distributed.fsdp_gradients import shard_policy
+
+    timeout = timedelta(seconds=settings.timeout_s)
+    on_cpu = accelerator == "cpu"
+    if settings.strategy == "auto" and settings.world_size == 1:
+        return "auto"
+    if settings.strategy in ("auto", "ddp"):
+        return DDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
+    if settings.strategy == "fsdp":
+        return ModelParallelStrategy(
+            shard_policy,
+            data_parallel_size=settings.world_size,
+            tensor_parallel_size=1,
+            process_group_backend="gloo" if on_cpu else None,
+            timeout=timeout,
+        )
+    stage = 2 if settings.strategy == "deepspeed_stage_2" else 3
+    if on_cpu:
+        from tslightning.distributed.deepspeed_cpu import CPUDeepSpeedStrategy
+
+        return CPUDeepSpeedStrategy(stage=stage, timeout=timeout)
+    return DeepSpeedStrategy(stage=stage, timeout=timeout)

@@ -1,0 +1,125 @@
+"""A learner rank that fails mid-update fails the update on every rank, before any parameter changes (Eq. 3).
+
+Each rank does its local work of update k (ingest, sync-schedule learner work) on its own; the barrier's first
+collective is an *agreement*: an all-reduce of one status flag per rank. A rank whose local work raised reports
+failure there (:func:`reported_to_ranks`), every rank sees it and raises :class:`RankFailureError` before the
+direction is reduced, written or stepped — so no rank takes a partial step. A rank that died or hangs never
+reaches the agreement: the collective then fails after the process group's timeout (Fabric's
+``DDPStrategy(timeout=...)``, default 30 min) and that failure becomes the same error, naming the update and the
+timeout. On a single process both are no-ops and the original exception passes through unchanged.
+
+Ranks that serve learner work in lock-step (sharded parameters, :mod:`tslightning.distributed.lockstep`) exchange a
+status word per tick through :func:`exchange_status`, in the agreement's own layout (one float64 slot per rank, ``> 0``
+meaning failed; tick codes are negative), so a rank that fails while its peers are ticking is heard at their next tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailureError(RuntimeError):
+    """Update k failed on at least one learner rank; no rank took its optimizer step."""
+
+
+def agree_to_step(update: int) -> None:
+    """The barrier's first collective: every rank confirms its local work of update ``update`` succeeded.
+
+    Raises:
+        RankFailureError: if a rank reported failure, or the agreement did not complete within the group's timeout.
+    """
+    _agree(update, None)
+
+
+@contextmanager
+def reported_to_ranks(update: int) -> Iterator[None]:
+    """Run one rank's local work of update ``update``; if it raises, the other ranks learn it at their agreement.
+
+    Raises:
+        RankFailureError: (several ranks) chained to the local exception, after the other ranks were told.
+    """
+    try:
+        yield
+    except RankFailureError:
+        raise
+    except Exception as error:
+        if not _distributed():
+            raise
+        _agree(update, error)
+
+
+def exchange_status(update: int, code: int) -> list[int]:
+    """One lock-step tick's status exchange: every rank's ``code`` (``>= 1``), in rank order.
+
+    Shares :func:`_agree`'s collective (an all-reduce of one float64 slot per rank), so it pairs with the agreement
+    of a rank that failed: that rank's slot is positive, and this raises as the agreement would.
+
+    Raises:
+        ValueError: if ``code`` is not ``>= 1``.
+        RankFailureError: if a rank reported failure, or the collective failed (a rank died or hung past the
+            process group's timeout).
+    """
+    if code < 1:
+        raise ValueError(f"a tick status code is >= 1; got {code}")
+    if not _distributed():
+        return [code]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    slots = torch.zeros(world_size, dtype=torch.float64)
+    slots[rank] = -float(code)
+    _all_reduce(slots, update, rank, None)
+    _raise_if_failed(slots, update, world_size, None)
+    return [int(-v) for v in slots.tolist()]
+
+
+def group_timeout() -> timedelta | None:
+    """The default process group's collective timeout, where the backend exposes it (gloo, NCCL)."""
+    if not _distributed():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _agree(update: int, error: Exception | None) -> None:
+    if not _distributed():
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    flags = torch.zeros(world_size, dtype=torch.float64)
+    flags[rank] = 0.0 if error is None else 1.0
+    _all_reduce(flags, update, rank, error)
+    _raise_if_failed(flags, update, world_size, error)
+
+
+def _all_reduce(flags: torch.Tensor, update: int, rank: int, error: Exception | None) -> None:
+    try:
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    except RuntimeError as collective_error:  # gloo/NCCL timeouts and a peer's closed connection
+        timeout = group_timeout()
+        raise RankFailureError(
+            f"update {update}: rank {rank} waited for every learner rank (barrier agreement or lock-step tick) and the "
+            f"collective failed (process group timeout {timeout}): a rank died or hung; no optimizer step was "
+            "taken on this rank. Set the strategy's timeout (fit: learner.timeout_s) to bound the wait"
+        ) from (error or collective_error)
+
+
+def _raise_if_failed(flags: torch.Tensor, update: int, world_size: int, error: Exception | None) -> None:
+    failed = [r for r in range(world_size) if flags[r] > 0]  # negative slots: ranks still ticking (lock-step)
+    if failed:
+        own = f"; here: {type(error).__name__}: {error}" if error is not None else ""
+        raise RankFailureError(
+            f"update {update} failed on learner rank(s) {failed} of {world_size}; no rank took the optimizer step "
+            f"(parameters unchanged everywhere){own}"
+        ) from error
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

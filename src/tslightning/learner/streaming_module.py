@@ -1,0 +1,498 @@
+"""The streaming GRPO/OPD LightningModule: per-source backward, exact accumulators, one step per logical batch.
+
+Data path (Algorithm 1): a :class:`~tslightning.core.batch_registry.BatchPlan` opens update k; sources and completion
+events arrive in readiness order through :meth:`StreamingPolicyModule.ingest`; under the ``thundersync`` schedule
+each source's backward runs at once and is folded into exact running statistics (Eq. 7 for GRPO, Eq. 9's
+numerator for OPD); :meth:`StreamingPolicyModule.barrier` then reduces across ranks, normalizes, clips the global
+norm and takes exactly one AdamW step (Eq. 3). Under the ``sync`` schedule the same module stores the sources and
+computes the whole batch at the barrier with one padded, batched objective — the batch-synchronous baseline.
+
+All gradients are taken at the fixed snapshot θ_k: nothing mutates parameters between :meth:`begin_batch` and the
+barrier. Context gradients are exact because every source recomputes its full causal context (prompt and earlier
+turns); learner cost per source is one forward and backward over all of ``token_ids``. With
+``context_backward="boundary"`` (thundersync) each context runs once instead and later sources' boundary adjoints
+are back-propagated through it when its group or trajectory closes (App. I,
+:mod:`tslightning.learner.boundary_adjoint`).
+
+On several ranks with partitioned parameters (DeepSpeed ZeRO-3, FSDP2) every per-source pass gathers each layer in a
+collective, so learner work is queued and served in lock-step ticks across ranks
+(:mod:`tslightning.distributed.lockstep`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from tslightning.core.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
+from tslightning.core.parameter_layout import ParameterLayout
+from tslightning.core.sources import (
+    BatchClosed,
+    GroupClosed,
+    PolicyVersionError,
+    Source,
+    SourceError,
+    StreamItem,
+    TrajectoryClosed,
+    TrajectorySource,
+    TurnSource,
+)
+from tslightning.core.turn_accumulator import TurnAccumulator
+from tslightning.distributed.collectives import all_reduce_sum
+from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
+from tslightning.distributed.lockstep import LockstepTicks
+from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
+from tslightning.distributed.zero_gradients import (
+    backward_direction,
+    clip_coefficient,
+    deepspeed_fabric,
+    partitions_parameters,
+    release_pass_leftovers,
+)
+from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
+from tslightning.learner.group_admission import GroupAdmission
+from tslightning.learner.settings import OptimizerSettings, Schedule
+from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
+from tslightning.learner.update_result import ServiceRecord, UpdateResult
+from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
+from tslightning.objectives.scored_logprobs import scored_logprobs
+
+
+class StreamingPolicyModule(L.LightningModule):
+    """Exact gradient streaming for GRPO and OPD on any causal LM (full fine-tuning or a peft LoRA model).
+
+    Args:
+        policy: A causal LM (``transformers`` model, optionally wrapped by peft); its parameters with
+            ``requires_grad=True`` are trained and sized the statistics.
+        objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
+        schedule: ``thundersync`` streams each source's backward at ingestion; ``sync`` runs all learner work
+            at the barrier (the batch-synchronous baseline).
+        advantage: Group-relative advantage for GRPO (see :mod:`tslightning.objectives.advantages`).
+        advantage_epsilon: ε of Eq. 6.
+        max_grad_norm: Global-norm clipping threshold applied to the batch direction (Table 5: 1.0); ``None`` when
+            a :class:`~tslightning.callbacks.GradientClipping` callback clips instead.
+        group_admission_cap: Per-rank cap k on GRPO groups holding statistics (App. D.3); ``None`` for no cap.
+        optimizer: AdamW settings used by :meth:`configure_optimizers`.
+        accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
+        sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule (sources sorted by length, so a
+            micro-batch pads little).
+        max_policy_lag: How many versions a batch's sampling policy may trail the learner's θ_k: 0 for the
+            zero-staleness schedules; 1 for one-step-off ``async`` (sampled from θ_{k−1}, evaluated at θ_k without
+            importance correction, App. D.4).
+        context_backward: How a source's gradient reaches its causal context under ``thundersync``: ``recompute``
+            (each source runs its whole ``token_ids``) or ``boundary`` (a GRPO group's prompt and an OPD
+            trajectory's earlier turns run once; boundary adjoints are back-propagated when the group or trajectory
+            closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        objective: Objective = Objective.GRPO,
+        schedule: Schedule = Schedule.THUNDERSYNC,
+        advantage: AdvantageEstimator = AdvantageEstimator.GRPO,
+        advantage_epsilon: float = GRPO_EPSILON,
+        max_grad_norm: float | None = 1.0,
+        group_admission_cap: int | None = None,
+        optimizer: OptimizerSettings | None = None,
+        accumulator_dtype: torch.dtype | None = None,
+        sync_micro_batch_size: int = 8,
+        max_policy_lag: int = 0,
+        context_backward: ContextBackward = ContextBackward.RECOMPUTE,
+    ) -> None:
+        super().__init__()
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None (Table 5 uses 1.0); got {max_grad_norm}")
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0; got {max_policy_lag}")
+        if sync_micro_batch_size < 1:
+            raise ValueError(f"sync_micro_batch_size must be >= 1; got {sync_micro_batch_size}")
+        self.automatic_optimization = False
+        self.policy = policy
+        self.objective = Objective(objective)
+        self.schedule = Schedule(schedule)
+        self.advantage = AdvantageEstimator(advantage)
+        self.advantage_epsilon = advantage_epsilon
+        self.max_grad_norm = max_grad_norm
+        self.optimizer_settings = optimizer or OptimizerSettings()
+        self.sync_micro_batch_size = sync_micro_batch_size
+        self.max_policy_lag = max_policy_lag
+        self.policy_version = 0
+        self.num_optimizer_steps = 0
+        self.layout = ParameterLayout(policy.parameters())
+        dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
+        self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
+        self.turns = TurnAccumulator(self.layout, dtype)
+        self.context_backward = ContextBackward(context_backward)
+        if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
+            raise ValueError(
+                f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
+                f"{self.schedule.value!r} schedule is the recompute baseline (use context_backward='recompute')"
+            )
+        boundary = self.context_backward is ContextBackward.BOUNDARY
+        self.shared_prompts = SharedPromptBackward(policy, self.layout.parameters, dtype) if boundary else None
+        """GRPO shared-prefix backward (``context_backward="boundary"``): prompt graphs of open groups."""
+        self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype) if boundary else None
+        """OPD turn-boundary backward (``context_backward="boundary"``): turn graphs of open trajectories."""
+        self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
+        self.last_direction: torch.Tensor | None = None
+        self.last_update: UpdateResult | None = None
+        self._registry: BatchRegistry | None = None
+        self._held_sources: list[Source] = []  # sync schedule: sources waiting for the barrier
+        self._reductions: list[GroupReduction] = []
+        self._num_sources = 0
+        self._num_scored_tokens = 0
+        self.service_log: list[ServiceRecord] = []
+        """Per-source service times of the current (or last finished) update."""
+        self.lockstep: LockstepTicks | None = None
+        """Lock-step serving of the open update (several ranks, ZeRO-3 or FSDP2 sharded parameters), or ``None``."""
+        self.update_timings: dict[str, float] = {}
+        """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
+        add ``rollout_wait_s``, ``publication_s``, ...)."""
+
+    # ----------------------------------------------------------------- the stream
+    @property
+    def registry(self) -> BatchRegistry | None:
+        """Registration and completion state of the open logical batch (``None`` between batches)."""
+        return self._registry
+
+    def begin_batch(self, plan: BatchPlan) -> None:
+        """Register logical batch B_k (Algorithm 1, line 3) at the current snapshot θ_k."""
+        if self._registry is not None:
+            raise SourceError(f"BatchPlan for version {plan.policy_version} while batch {self.policy_version} is open")
+        lag = self.policy_version - plan.allowed_versions.start
+        if not 0 <= lag <= self.max_policy_lag or plan.policy_version > self.policy_version:
+            raise PolicyVersionError(
+                f"BatchPlan.policy_version is {plan.policy_version} but the learner holds θ_{self.policy_version} "
+                f"and accepts a policy lag of at most {self.max_policy_lag}"
+                + (" (zero-staleness schedule)" if self.max_policy_lag == 0 else "")
+            )
+        if plan.objective is not self.objective:
+            raise SourceError(
+                f"BatchPlan.objective is {plan.objective.value}; this module trains {self.objective.value}"
+            )
+        small = {g: m for g, m in plan.group_sizes.items() if m < self.advantage.min_group_size}
+        if self.objective is Objective.GRPO and small:
+            raise SourceError(
+                f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
+                f">= {self.advantage.min_group_size} trajectories per group"
+            )
+        self.lockstep = self._lockstep_ticks()
+        self._registry = BatchRegistry(plan)
+        self.service_log = []
+        self.update_timings = {"learner_service_s": 0.0}
+        for boundary in (self.shared_prompts, self.turn_boundaries):
+            if boundary is not None:
+                boundary.reset()  # its pass ledger, like service_log, describes the last update until now
+
+    def ingest(self, item: StreamItem | BatchPlan) -> None:
+        """Accept one ready source or completion event; under ``thundersync`` its learner work runs now.
+
+        A rejected item raises :class:`SourceError` before any state changes.
+        """
+        if isinstance(item, BatchPlan):
+            self.begin_batch(item)
+            return
+        registry = self._require_registry()
+        registry.check(item)
+        if isinstance(item, TrajectorySource | TurnSource):
+            self._check_token_range(item)
+        ready_turns = [item] if isinstance(item, TurnSource) else []
+        if isinstance(item, TrajectorySource) and self.shared_prompts is not None:
+            self.shared_prompts.admit(item)  # refuses a trajectory outside its group's prompt
+        elif isinstance(item, TurnSource) and self.turn_boundaries is not None:
+            ready_turns = self.turn_boundaries.admit(item)  # turn j runs after turn j−1, whose states it continues
+        registry.record(item)
+        if isinstance(item, TrajectorySource | TurnSource):
+            self._num_sources += 1
+            self._num_scored_tokens += item.num_scored
+        if self.schedule is Schedule.SYNC:
+            if isinstance(item, TrajectorySource | TurnSource):
+                self._held_sources.append(item)  # the batch-synchronous learner starts at the barrier
+        elif isinstance(item, TurnSource):
+            for turn in ready_turns:
+                self._serve([turn], lambda turn=turn: self._fold_turn(turn))
+        elif isinstance(item, TrajectoryClosed) and self.turn_boundaries is not None:
+            self._serve([], lambda: self._replay_turn_adjoints(item))
+        elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
+            self._admit_grpo(item)
+        if self.lockstep is not None:
+            self.lockstep.serve(self.policy_version)  # runs queued work in step with the other ranks
+
+    def _admit_grpo(self, item: TrajectorySource | GroupClosed) -> None:
+        """Run GRPO work in readiness order, holding back groups beyond the admission cap (App. D.3)."""
+        work = deque(self.admission.offer(item.group_id, item))
+        while work:
+            admitted = work.popleft()
+            if isinstance(admitted, GroupClosed):
+                self._reductions.append(self.groups.close(admitted.group_id))
+                if self.shared_prompts is not None:
+                    self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
+                work.extend(self.admission.release(admitted.group_id))
+            else:
+                self._serve([admitted], lambda source=admitted: self._fold_trajectory(source))
+
+    def barrier(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None] | None = None) -> UpdateResult:
+        """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}.
+
+        Args:
+            optimizer: The optimizer over :attr:`layout` ``.parameters`` (a Fabric- or Lightning-wrapped one works).
+            before_step: Runs once the batch direction is in ``.grad`` and before clipping and the step; a Fabric
+                loop calls its ``on_before_optimizer_step`` callbacks here (a Trainer's LightningOptimizer calls
+                them inside ``step``).
+
+        Raises:
+            SourceError: if any registered trajectory, group or the batch is still open.
+            FloatingPointError: if the batch direction is not finite (no step is taken).
+            RankFailureError: (several ranks) if any rank's local work failed or a rank did not reach the barrier
+                within the process group's timeout; no rank steps.
+        """
+        registry = self._require_registry()
+        barrier_start = time.perf_counter()
+        with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
+            registry.require_complete()
+            if self.schedule is Schedule.SYNC:
+                self._compute_sync_direction(registry.plan)
+            if self.lockstep is not None:
+                self.lockstep.drain(self.policy_version)
+            if self.schedule is Schedule.SYNC:
+                self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
+        agree_to_step(self.policy_version)
+        direction, num_tokens = self._reduced_direction()
+        norm = float(torch.linalg.vector_norm(direction))
+        if not math.isfinite(norm):
+            raise FloatingPointError(
+                f"batch direction of version {self.policy_version} is not finite; refusing to step"
+            )
+        zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
+        fsdp = self._fsdp  # FSDP2: each rank writes its shard of the (clipped) direction
+        coefficient = clip_coefficient(norm, self.max_grad_norm)
+        if fsdp:
+            write_direction(self.layout, direction, scale=-coefficient)
+        elif zero is None:
+            self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
+        if before_step is not None:
+            before_step()
+        if zero is not None:
+            backward_direction(zero, self, self.layout, direction, scale=-coefficient)
+        if zero is not None or fsdp:  # the module clipped: the coefficient it applied
+            applied = coefficient * norm
+        else:
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
+            applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
+        result = UpdateResult(
+            policy_version=self.policy_version + 1,
+            direction_norm=norm,
+            clip_coefficient=applied / norm if norm > 0 else 1.0,
+            num_sources=self._num_sources,
+            num_scored_tokens=num_tokens,
+            groups=list(self._reductions),
+            peak_held_numel=self.groups.peak_held_numel if self.objective is Objective.GRPO else self.turns.held_numel,
+        )
+        self.last_direction = direction
+        self.last_update = result
+        self.policy_version += 1
+        self.num_optimizer_steps += 1
+        self._reset_batch()
+        return result
+
+    # ----------------------------------------------------------------- Lightning hooks
+    def training_step(self, batch: StreamItem | BatchPlan, batch_idx: int) -> None:
+        """One stream item per step; the barrier runs when BatchClosed arrives (Trainer or Fabric loops).
+
+        The barrier's :class:`UpdateResult` is kept in :attr:`last_update` and logged when a Trainer or Fabric
+        is attached.
+        """
+        self.ingest(batch)
+        if not isinstance(batch, BatchClosed):
+            return
+        self.barrier(self.optimizers())
+        if self._trainer is not None or self._fabric is not None:
+            update = self.last_update
+            metrics = {
+                "actor/num_sources": float(update.num_sources),
+                "actor/num_scored_tokens": float(update.num_scored_tokens),
+                "actor/policy_version": float(update.policy_version),
+            }
+            if self.max_grad_norm is not None:  # otherwise GradientClipping logs the norm and coefficient it applied
+                metrics["actor/grad_norm"] = update.direction_norm
+                metrics["actor/grad_clip_coef"] = update.clip_coefficient
+            self.log_dict(metrics, batch_size=1, on_step=True)
+
+    def transfer_batch_to_device(self, batch: StreamItem | BatchPlan, device: torch.device, dataloader_idx: int):
+        """Stream items pass through unchanged: they are frozen records, and each source's tokens move to the
+        policy's device inside its own forward (so held sync sources and queued sources stay on the host)."""
+        return batch
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        s = self.optimizer_settings
+        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+
+    # ----------------------------------------------------------------- per-source learner work (thundersync)
+    def _fold_trajectory(self, source: TrajectorySource) -> None:
+        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1); fold into its group's G1/G2 (Eq. 7)."""
+        plan = self._registry.plan
+        if self.shared_prompts is not None:  # the continuation's part; the prompt's follows at group close
+            grads = self.shared_prompts.source_gradient(source, 1.0 / (plan.num_prompts * source.num_scored))
+        else:
+            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+            score = logp.sum() / (plan.num_prompts * source.num_scored)
+            grads = self._fill_unused(torch.autograd.grad(score, self._leaves(), allow_unused=True))
+        self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+
+    def _fold_prompt(self, reduction: GroupReduction) -> None:
+        """The prompt part of a closed group's g_G, one backward of its combined boundary adjoint (App. I)."""
+        grads = self.shared_prompts.close_group(reduction)
+        if grads is not None:  # None: a uniform-reward group, or a one-token prompt
+            self.layout.add_(self.groups.batch, grads)
+
+    def _fold_turn(self, source: TurnSource) -> None:
+        """g_j = Σ_t A_{j,t} ∇ log π_θ(a_{j,t}|h_{j,t}) with A detached (Eq. 8); unnormalized until the barrier."""
+        if self.turn_boundaries is not None:  # the turn's own tokens; earlier turns' part follows at trajectory close
+            self.turns.add(self.turn_boundaries.turn_gradient(source), source.num_scored)
+            return
+        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+        advantage = source.teacher_logprobs.to(logp) - logp.detach()
+        grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
+        self.turns.add(self._fill_unused(grads), source.num_scored)
+
+    def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
+        """A closed trajectory's deferred context gradient: boundary adjoints replayed through earlier turns."""
+        self.turns.add(self.turn_boundaries.close_trajectory(closed.group_id, closed.trajectory_index), 0)
+
+    # ----------------------------------------------------------------- batch-synchronous learner work (sync)
+    def _compute_sync_direction(self, plan: BatchPlan) -> None:
+        """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
+        self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
+        self.turns.reset()
+        self._reductions = []
+        self.service_log = []
+        sources = sorted(self._held_sources, key=source_key)
+        coefficients = [1.0] * len(sources)
+        if self.objective is Objective.GRPO:
+            coefficients, self._reductions = trajectory_coefficients(
+                sources, plan, self.advantage, self.advantage_epsilon
+            )
+        for chunk, weights in micro_batches(sources, coefficients, self.sync_micro_batch_size):
+            self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
+
+    def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
+        """One padded micro-batch of the batch objective, folded into the batch accumulator."""
+        objective = batch_objective(self.policy, self.objective, chunk, weights)
+        grads = self._fill_unused(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
+        if self.objective is Objective.GRPO:
+            self.layout.add_(self.groups.batch, grads)
+        else:
+            self.turns.add(grads, sum(s.num_scored for s in chunk))
+
+    def _serve(self, sources: list[Source], work: Callable[[], None]) -> None:
+        """Run learner work for ``sources`` — now, or at its lock-step tick — and record its service interval."""
+        if self.lockstep is not None:
+            self.lockstep.submit(lambda: self._timed(sources, work))
+        else:
+            self._timed(sources, work)
+
+    def _idle_pass(self) -> None:
+        """A lock-step tick's pass for a rank with no queued work: the collectives of one forward and backward."""
+        tokens = torch.zeros(2, dtype=torch.long)
+        logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
+        torch.autograd.grad(logp.sum(), self._leaves(), allow_unused=True)  # discarded: nothing is folded
+        release_pass_leftovers(self)
+
+    def _lockstep_ticks(self) -> LockstepTicks | None:
+        sharded = partitions_parameters(self.policy) or self._fsdp
+        if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        if self.context_backward is not ContextBackward.RECOMPUTE:
+            raise ValueError(
+                "context_backward='boundary' runs a different number of policy passes per source than other ranks, "
+                "which lock-step parameter gathers (ZeRO-3, FSDP) cannot pair up; use context_backward='recompute'"
+            )
+        return LockstepTicks(self._idle_pass)
+
+    def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
+        """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
+        start = time.perf_counter()
+        work()
+        release_pass_leftovers(self)  # ZeRO-3 only
+        end = time.perf_counter()
+        self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
+        for s in sources:
+            self.service_log.append(
+                ServiceRecord(
+                    type(s).__name__,
+                    s.group_id,
+                    s.trajectory_index,
+                    getattr(s, "turn_index", None),
+                    s.policy_version,
+                    s.token_ids.numel(),
+                    s.num_scored,
+                    start,
+                    end,
+                )
+            )
+
+    # ----------------------------------------------------------------- barrier pieces
+    def _reduced_direction(self) -> tuple[torch.Tensor, int]:
+        """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
+        if self.objective is Objective.GRPO:
+            return all_reduce_sum(self.groups.batch.clone()), self._num_scored_tokens
+        total = all_reduce_sum(self.turns.total.clone())
+        count = int(all_reduce_sum(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
+        if count == 0:
+            raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
+        return total / count, count
+
+    def _reset_batch(self) -> None:
+        self._registry = None
+        self.lockstep = None
+        self._held_sources = []
+        self._reductions = []
+        self._num_sources = 0
+        self._num_scored_tokens = 0
+        self.groups.reset()
+        self.turns.reset()
+        self.admission.reset()
+
+    def _require_registry(self) -> BatchRegistry:
+        if self._registry is None:
+            raise SourceError(
+                f"no logical batch is open at version {self.policy_version}; ingest a BatchPlan before its sources"
+            )
+        return self._registry
+
+    def _check_token_range(self, source: Source) -> None:
+        vocab = self.policy.get_input_embeddings().num_embeddings
+        top = int(source.token_ids.max())
+        if top >= vocab:
+            raise SourceError(
+                f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "
+                "the rollout engine and learner must share one tokenizer"
+            )
+
+    def _fill_unused(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        return [
+            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
+            for p, shape, g in zip(self.layout.parameters, self.layout.shapes, grads, strict=True)
+        ]
+
+    def _leaves(self) -> list[torch.Tensor]:
+        """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""
+        if self._fsdp:
+            return gradient_leaves(self.policy, self.layout.parameters)
+        return self.layout.parameters
+
+    @property
+    def _fsdp(self) -> bool:
+        return shards_parameters(self.policy)

@@ -1,0 +1,70 @@
+"""The batch-synchronous learner (schedule ``sync``, and ``async``'s learner): after the batch closed, batch-form
+advantages (Eq. 6) and one padded objective per micro-batch, summed — the baseline streaming must equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tslightning.core.batch_registry import BatchPlan, Objective
+from tslightning.core.group_accumulator import GroupReduction
+from tslightning.core.sources import Source, TrajectorySource
+from tslightning.objectives.advantages import (
+    AdvantageEstimator,
+    advantage_scale,
+    group_advantages,
+    group_mean,
+    is_uniform,
+)
+from tslightning.objectives.scored_logprobs import batched_scored_logprobs
+
+
+def source_key(source: Source) -> tuple:
+    """A source's place in the batch (group, trajectory, turn): the order the sync learner serves held sources in."""
+    return (source.group_id, source.trajectory_index, getattr(source, "turn_index", 0))
+
+
+def trajectory_coefficients(
+    sources: list[TrajectorySource], plan: BatchPlan, estimator: AdvantageEstimator, epsilon: float
+) -> tuple[list[float], list[GroupReduction]]:
+    """Per-trajectory weight A_i / (m · P · L_i) of the batch objective, with batch-form advantages (Eq. 6), and each
+    group's reduction (in the order groups first appear in ``sources``)."""
+    by_group: dict[str, list[TrajectorySource]] = {}
+    for s in sources:
+        by_group.setdefault(s.group_id, []).append(s)
+    weights: dict[tuple[str, int], float] = {}
+    reductions = []
+    for group_id, members in by_group.items():
+        rewards = [s.reward for s in members]
+        advantages = group_advantages(rewards, estimator, epsilon)
+        for s, a in zip(members, advantages.tolist(), strict=True):
+            weights[(group_id, s.trajectory_index)] = a / (len(members) * plan.num_prompts * s.num_scored)
+        uniform = is_uniform(rewards)
+        scale = 0.0 if uniform else advantage_scale(rewards, estimator, epsilon)
+        reductions.append(GroupReduction(group_id, tuple(rewards), group_mean(rewards), scale, uniform))
+    return [weights[(s.group_id, s.trajectory_index)] for s in sources], reductions
+
+
+def micro_batches(
+    sources: list[Source], coefficients: list[float], size: int
+) -> list[tuple[list[Source], list[float]]]:
+    """``sources`` with their coefficients in padded micro-batches of ``size``, longest first: each micro-batch then
+    holds sequences of similar length, so the baseline wastes little compute on padding (verl's sequence balancing
+    does the same)."""
+    by_length = sorted(range(len(sources)), key=lambda i: (-sources[i].token_ids.numel(), i))
+    sources, coefficients = [sources[i] for i in by_length], [coefficients[i] for i in by_length]
+    return [(sources[i : i + size], coefficients[i : i + size]) for i in range(0, len(sources), size)]
+
+
+def batch_objective(
+    policy: torch.nn.Module, objective: Objective, chunk: list[Source], weights: list[float]
+) -> torch.Tensor:
+    """One padded micro-batch's objective: GRPO Σ_i weight_i S_i; OPD App. I.2's ratio form (gradient of Eq. 8)."""
+    logps = batched_scored_logprobs(policy, [s.token_ids for s in chunk], [s.scored_mask for s in chunk])
+    if objective is Objective.GRPO:
+        return sum(w * lp.sum() for w, lp in zip(weights, logps, strict=True))
+    # ratio = exp(logp − logp.detach()) equals 1 and has the gradient of Eq. 8.
+    return sum(
+        (torch.exp(lp - lp.detach()) * (s.teacher_logprobs.to(lp) - lp.detach())).sum()
+        for s, lp in zip(chunk, logps, strict=True)
+    )

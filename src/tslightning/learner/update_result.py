@@ -1,0 +1,51 @@
+"""What one barrier did (:class:`UpdateResult`) and when the learner served each source (:class:`ServiceRecord`, the
+release trace's service intervals, App. B)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tslightning.core.group_accumulator import GroupReduction
+
+
+@dataclass
+class UpdateResult:
+    """What one barrier did.
+
+    Attributes:
+        policy_version: k + 1, the version of the parameters after the step.
+        direction_norm: Global L2 norm of the batch direction g_k before clipping.
+        clip_coefficient: ‖applied .grad‖ / ‖g_k‖ as measured before the step: the module's own clipping, or a
+            callback's run from ``before_step`` (a Trainer clips inside ``step``, after this is read: see the
+            GradientClipping callback's metrics there).
+        num_sources: Sources folded into the update (on this rank).
+        num_scored_tokens: Scored action tokens (OPD: the global N_k of Eq. 9).
+        groups: GRPO group reductions in the order they closed (empty for OPD).
+        peak_held_numel: Peak accumulator values held on this rank during the update (App. D.3).
+    """
+
+    policy_version: int
+    direction_norm: float
+    clip_coefficient: float
+    num_sources: int
+    num_scored_tokens: int
+    groups: list[GroupReduction] = field(default_factory=list)
+    peak_held_numel: int = 0
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """When the learner served one source (``time.perf_counter`` seconds) — the release trace's p_j (App. B).
+
+    Under ``sync`` a padded micro-batch serves its sources together: each gets the micro-batch's start and end.
+    """
+
+    kind: str
+    group_id: str
+    trajectory_index: int
+    turn_index: int | None
+    policy_version: int
+    tokens: int
+    scored_tokens: int
+    start: float
+    end: float

@@ -1,0 +1,26 @@
+"""The training loop behind ``tslightning fit``: its typed settings (:mod:`.settings`), start-up of tasks, policy,
+engine and teacher (:mod:`.startup`), one update under each schedule (:mod:`.updates`), checkpoints and resume
+(:mod:`.resume`), the supervised warm start (:mod:`.warm_start`), and the loop itself, read top to bottom
+(:mod:`.fit`).
+
+Layer: above rollout, learner and callbacks, which it wires together; below the commands and the CLI.
+"""
+
+from tslightning.loop.fit import FitResult, fit
+from tslightning.loop.settings import (
+    CheckpointSettings,
+    LoraSettings,
+    ModelSettings,
+    RolloutSettings,
+    WarmStartSettings,
+)
+
+__all__ = [
+    "CheckpointSettings",
+    "FitResult",
+    "LoraSettings",
+    "ModelSettings",
+    "RolloutSettings",
+    "WarmStartSettings",
+    "fit",
+]

@@ -1,0 +1,248 @@
+"""`tslightning fit`: the Fabric-driven training loop, read top to bottom — setup → launch → fit (Algorithm 1).
+
+Per update k: the rollout DataModule registers the logical batch at θ_k and yields ready sources as they arrive; the
+streaming module serves each (``thundersync``) or holds them for the barrier (``sync``); at ``BatchClosed`` the
+barrier reduces and normalizes, the callbacks check completeness and clip, exactly one optimizer step is taken, and
+the weight publisher installs θ_{k+1} on every rollout replica before update k+1 starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from tqdm.auto import tqdm
+
+from tslightning.callbacks import (
+    BatchBarrier,
+    GradientClipping,
+    MFUMonitor,
+    ReleaseTraceRecorder,
+    StalenessMonitor,
+    WeightPublisher,
+)
+from tslightning.core.batch_registry import Objective
+from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
+from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.loop.resume import check_resume, checkpointer, resume_from
+from tslightning.loop.settings import (
+    PARTITIONED,
+    CheckpointSettings,
+    LoraSettings,
+    ModelSettings,
+    RolloutSettings,
+    WarmStartSettings,
+    setting_problems,
+)
+from tslightning.loop.startup import (
+    place_learner,
+    prepare_policy,
+    rollout_datamodule,
+    start_engine,
+    start_teacher,
+    training_tasks,
+)
+from tslightning.loop.updates import (
+    FitResult,
+    Prefetch,
+    continuous_items,
+    one_step_off_update,
+    one_update,
+    peak_memory_mb,
+    record_update,
+)
+from tslightning.measure.timeline import plot_timeline
+
+
+def fit(
+    objective: Literal["grpo", "opd"] = "grpo",
+    schedule: Literal["sync", "thundersync", "async", "fully_async"] = "thundersync",
+    updates: int = 8,
+    seed: int = 42,
+    out_dir: str = "runs/quickstart",
+    model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings, never mutated
+    rollout: RolloutSettings = RolloutSettings(),  # noqa: B008
+    warm_start: WarmStartSettings = WarmStartSettings(),  # noqa: B008
+    optimizer: OptimizerSettings = OptimizerSettings(),  # noqa: B008
+    advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
+    max_grad_norm: float = 1.0,
+    group_admission_cap: int | None = None,
+    sync_micro_batch_size: int = 8,
+    context_backward: Literal["recompute", "boundary"] = "recompute",
+    available_flops: float | None = None,
+    checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
+    resume: str | None = None,
+    callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
+    staleness_bound: int = 1,
+    accelerator: str = "cpu",
+    learner: LearnerSettings = LearnerSettings(),  # noqa: B008
+    progress: bool = True,
+) -> FitResult:
+    """Train a policy with exact gradient streaming on the agentic tasks.
+
+    Args:
+        objective: ``grpo`` (Eqs. 4-7) or ``opd`` (Eqs. 8-9).
+        schedule: ``thundersync`` releases each source's learner work when it is ready; ``sync`` waits for the batch;
+            ``async`` is one-step-off: batch k is sampled from θ_{k−1} while the learner computes update k−1, and
+            the learner evaluates the same surrogate at θ_k without importance correction (App. D.4, policy lag 1);
+            ``fully_async``: rollout never stops, each update takes the first P completed groups, new weights are
+            swapped into the engines in flight, and ``staleness_bound`` limits the policy lag (GRPO).
+        updates: Optimizer updates (logical batches).
+        seed: Run seed: model init, task order, sampling seeds.
+        out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
+        model: The policy and teacher.
+        rollout: Rollout pool, tasks and agent limits.
+        warm_start: Supervised warm start before RL.
+        optimizer: AdamW settings (Table 5: lr 1e-6; the quickstart uses a larger lr to learn within minutes).
+        advantage: GRPO advantage estimator.
+        max_grad_norm: Global-norm clipping of the batch direction.
+        group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
+        sync_micro_batch_size: ``sync`` (and ``async``) learner: sequences per padded forward, sorted by length.
+        context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
+            runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
+            boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
+        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
+            table has no entry; on GPUs ``None`` reads Lightning's table.
+        checkpoint: When and where checkpoints are written.
+        resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
+            states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
+        callbacks: Extra Lightning callbacks (``class_path``/``init_args`` in configs), run after the built-in ones.
+        staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
+        accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
+        learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
+            own share of every batch. Launching on several nodes: see :mod:`tslightning.distributed.learner_strategy`.
+        progress: Show a progress bar.
+    """
+    arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
+    check_resume(resume, schedule)
+    problems = setting_problems(objective, schedule, context_backward, model, learner, checkpoint, resume)
+    if problems:
+        raise ValueError("fit: " + "; ".join(problems))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(_resolved_config(arguments), indent=2, default=str))
+    torch.manual_seed(seed)
+    place_learner(learner.cpus)
+
+    tasks = training_tasks(rollout)
+    policy, tokenizer, policy_dir = prepare_policy(model, rollout, warm_start, tasks, seed, out)
+    engine = start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
+    teacher = start_teacher(model, rollout, warm_start, tasks, seed, out) if objective == "opd" else None
+    datamodule = rollout_datamodule(rollout, engine, tokenizer, tasks, objective, teacher, seed)
+    lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
+    module_clips = learner.strategy in PARTITIONED  # gradients live in ZeRO's engine or in shards
+    fabric = L.Fabric(
+        accelerator=accelerator,
+        devices=learner.devices,
+        num_nodes=learner.num_nodes,
+        strategy=learner_strategy(learner, accelerator),
+        loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
+        callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
+            BatchBarrier(zero_staleness=lag == 0),
+            *([] if module_clips else [GradientClipping(max_grad_norm)]),
+            WeightPublisher(engine, every_rank=learner.world_size > 1),  # each rank rolls out with its own engine
+            StalenessMonitor(max_policy_lag=lag),
+            MFUMonitor(available_flops=available_flops),
+            ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
+            *callbacks,
+            *([checkpointer(checkpoint, out, seed)] if checkpoint.enabled else []),  # last: it saves the others
+        ],
+    )
+    fabric.launch()
+    datamodule.share_with(fabric.global_rank, fabric.world_size)
+    module = StreamingPolicyModule(
+        policy,
+        objective,
+        "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped with rollout
+        advantage,
+        max_grad_norm=max_grad_norm if module_clips else None,
+        group_admission_cap=group_admission_cap,
+        sync_micro_batch_size=sync_micro_batch_size,
+        optimizer=optimizer,
+        max_policy_lag=lag,
+        context_backward=context_backward,
+    )
+    # The loop calls the module itself, not Fabric's wrapper: per-source forwards bypass DDP's (the barrier reduces).
+    if learner.strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
+        fabric.setup_module(module)
+        fabric_optimizer = fabric.setup_optimizers(module.configure_optimizers())
+    else:
+        _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
+    try:
+        first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
+        return _run_updates(
+            fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first, staleness_bound
+        )
+    finally:
+        engine.close()
+        if teacher is not None:
+            teacher.close()
+
+
+def _run_updates(
+    fabric,
+    module,
+    optimizer,
+    datamodule,
+    updates: int,
+    progress: bool,
+    out: Path,
+    schedule: str = "thundersync",
+    first: int = 0,
+    staleness_bound: int = 1,
+) -> FitResult:
+    result = FitResult(out_dir=str(out))
+    fabric.call("on_train_start", trainer=fabric, pl_module=module)
+    bar = tqdm(range(first, updates), desc="updates", disable=not progress)
+    prefetched = Prefetch(datamodule, first) if schedule == "async" else None
+    # fully_async: one producer keeps rolling out across updates; each batch is the first P groups to complete.
+    continuous = (
+        datamodule.stream_continuous(updates, staleness_bound, lambda: module.policy_version)
+        if schedule == "fully_async"
+        else None
+    )
+    try:
+        for update in bar:
+            start = time.perf_counter()
+            if continuous is not None:
+                one_update(fabric, module, optimizer, continuous_items(continuous), update)
+            elif prefetched is None:
+                one_update(fabric, module, optimizer, datamodule.stream_update(update), update)
+            else:
+                prefetched = one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
+            record_update(fabric, module, datamodule, result, update, start, schedule, bar)
+    finally:
+        if continuous is not None:
+            continuous.close()  # stops the producer
+    fabric.call("on_train_end", trainer=fabric, pl_module=module)
+    result.peak_learner_memory_mb = peak_memory_mb(fabric.device)
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    if fabric.global_rank == 0:  # the ranks share out_dir; the rewards are already over every rank's share
+        (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+    if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
+        plot_timeline(out / "trace", out / "timeline.png")
+    return result
+
+
+def _resolved_config(arguments: dict) -> dict:
+    return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in arguments.items() if k != "out"}
+
+
+__all__ = [
+    "CheckpointSettings",
+    "FitResult",
+    "LoraSettings",
+    "ModelSettings",
+    "RolloutSettings",
+    "WarmStartSettings",
+    "fit",
+    "Objective",
+    "Schedule",
+]

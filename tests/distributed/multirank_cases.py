@@ -1,0 +1,238 @@
+"""Several learner ranks through Fabric: the cases ``test_multirank.py`` launches as one script per strategy.
+
+Run as ``python tests/distributed/multirank_cases.py OUT STRATEGY CASE...`` (Fabric's launcher re-runs this command line for
+rank 1). Every rank replays the same synthetic logical batches, streams only the sources
+:mod:`tslightning.distributed.rank_assignment` gives it, takes the barrier and saves, per update, the batch direction
+and its parameters to ``OUT/<case>/rank<r>.pt``. :func:`run_case` with ``fabric=None`` is the single-process reference
+the test computes in its own process.
+
+Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...); ``fail-ingest`` (rank 1 raises in the
+middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
+exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
+``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from tslightning.core.replay_batches import WorkloadShape, synthetic_grpo_batch, synthetic_opd_batch
+from tslightning.distributed.rank_assignment import split_replay_batch
+from tslightning.distributed.rank_failure import RankFailureError, reported_to_ranks
+from tslightning.distributed.zero_gradients import gathered_parameters
+from tslightning.learner.precision import compute_norms_in_float64
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+
+SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
+UPDATES = 2
+TIMEOUT_S = 30
+DTYPES = {
+    "ddp": torch.float64,
+    "fsdp": torch.float64,
+    "deepspeed_stage_2": torch.float32,
+    "deepspeed_stage_3": torch.float32,
+}
+"""DeepSpeed computes in at most float32 (its engine's model dtype; ZeRO reduce-scatters fp16/bf16/fp32 only)."""
+
+
+def make_batches(objective: str, dtype: torch.dtype) -> list:
+    """The logical batches of one case: identical on every rank and in the single-process reference."""
+    tokenizer = build_tokenizer()
+    vocab = build_tiny_model(TinyModelConfig(seed=0), tokenizer).config.vocab_size
+    generator = torch.Generator().manual_seed(17)
+    if objective == "grpo":
+        return [synthetic_grpo_batch(vocab, k, generator, SHAPE) for k in range(UPDATES)]
+    teacher = _in_dtype(build_tiny_model(TinyModelConfig(seed=1), tokenizer), torch.float64)
+    return [synthetic_opd_batch(vocab, k, generator, teacher, SHAPE) for k in range(UPDATES)]
+
+
+def make_policy(dtype: torch.dtype) -> torch.nn.Module:
+    return _in_dtype(build_tiny_model(TinyModelConfig(seed=0), build_tokenizer()), dtype)
+
+
+def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    model = model.to(dtype)
+    if dtype == torch.float64:
+        compute_norms_in_float64(model)
+    return model
+
+
+def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict:
+    """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
+    objective, schedule = case.split("-")
+    rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
+    module = StreamingPolicyModule(
+        make_policy(dtype), objective, schedule, optimizer=OptimizerSettings(lr=1e-3), accumulator_dtype=dtype
+    )
+    theta0 = module.layout.values()
+    optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
+    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
+    for k, batch in enumerate(make_batches(objective, dtype)):
+        assignment, shares = split_replay_batch(batch, world_size)
+        share = shares[rank]
+        if schedule == "thundersync":
+            share = share.reordered(torch.Generator().manual_seed(100 * k + rank))
+        for item in share.stream():
+            module.ingest(item)
+        lockstep = module.lockstep
+        module.barrier(optimizer)
+        if lockstep is not None:
+            record["lockstep"].append((lockstep.ticks, lockstep.idle_passes, module.last_update.num_sources))
+        record["directions"].append(module.last_direction.double())
+        record["thetas"].append(full_values(module))
+        record["units_per_rank"].append(assignment.units_per_rank())
+    return record
+
+
+def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
+    """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``)."""
+    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync")
+    theta0 = module.layout.values()
+    optimizer = _set_up(fabric, module)
+    share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
+    items = list(share.stream())
+    start = time.perf_counter()
+    try:
+        with reported_to_ranks(0):
+            for position, item in enumerate(items):
+                if fabric.global_rank == 1 and position == len(items) // 2:
+                    if case == "die-ingest":
+                        os._exit(3)  # the process is gone: no agreement, no goodbye
+                    raise RuntimeError("injected failure while ingesting")
+                module.ingest(item)
+        module.barrier(optimizer)
+        error = None
+    except RankFailureError as exc:
+        error = exc
+    seconds = time.perf_counter() - start
+    # a ZeRO-3 or FSDP gather needs the peer, which is gone after die-ingest (run die-ingest under ddp only)
+    unchanged = torch.equal(full_values(module), theta0)
+    return {
+        "error_type": type(error).__name__,
+        "error": str(error),
+        "cause": repr(error.__cause__) if error is not None else None,
+        "seconds": seconds,
+        "unchanged": unchanged,
+        "policy_version": module.policy_version,
+    }
+
+
+class _RankEngine:
+    """A rollout engine of one rank: records published versions; rank 1's refuses version 2."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.policy_version, self.versions = rank, 0, []
+
+    def publish(self, state_dict, policy_version: int):
+        from tslightning.rollout.engine import PublishReceipt, RolloutEngineError
+
+        if self.rank == 1 and policy_version == 2:
+            raise RolloutEngineError("replica of rank 1 did not acknowledge")
+        self.versions.append(policy_version)
+        self.policy_version = policy_version
+        return PublishReceipt(policy_version, replicas=1, seconds=0.0)
+
+
+def publishing_case(fabric) -> dict:
+    from types import SimpleNamespace
+
+    from tslightning.callbacks import WeightPublisher
+    from tslightning.core.sources import BatchClosed
+
+    engine = _RankEngine(fabric.global_rank)
+    publisher = WeightPublisher(engine, every_rank=True)
+    errors = []
+    for version in (1, 2):
+        module = SimpleNamespace(policy=torch.nn.Linear(2, 2), policy_version=version, update_timings={})
+        try:
+            publisher.on_train_batch_end(fabric, module, None, BatchClosed(version - 1), version - 1)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return {"versions": engine.versions, "errors": errors}
+
+
+def _set_up(fabric, module: StreamingPolicyModule):
+    """Fabric set-up of the module and its optimizer (FSDP2 replaces the parameters: optimizer after the module)."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    if isinstance(fabric.strategy, ModelParallelStrategy):
+        fabric.setup_module(module)
+        return fabric.setup_optimizers(module.configure_optimizers())
+    return fabric.setup(module, module.configure_optimizers())[1]
+
+
+def full_values(module: StreamingPolicyModule) -> torch.Tensor:
+    """The whole θ on every rank (a collective under ZeRO-3 and FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    with gathered_parameters(module.policy):
+        return torch.cat(
+            [
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).to("cpu", torch.float64)
+                for p in module.layout.parameters
+            ]
+        )
+
+
+def _strategy(name: str):
+    timeout = timedelta(seconds=TIMEOUT_S)
+    if name == "fsdp":
+        from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
+
+        return learner_strategy(LearnerSettings(devices=2, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
+    if name == "ddp":
+        from lightning.fabric.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo", timeout=timeout)
+    from tslightning.distributed.deepspeed_cpu import CPUDeepSpeedStrategy
+
+    return CPUDeepSpeedStrategy(stage=int(name[-1]), timeout=timeout)
+
+
+def main(out: str, strategy: str, *cases: str) -> None:
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy))
+    fabric.launch()
+    for case in cases:
+        target = Path(out) / strategy / case
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            if case.endswith("-ingest"):
+                record = failing_case(case, fabric, DTYPES[strategy])
+            elif case == "publish-every-rank":
+                record = publishing_case(fabric)
+            else:
+                record = run_case(case, fabric, DTYPES[strategy])
+        except Exception:
+            record = {"crash": traceback.format_exc()}
+        torch.save(record, target / f"rank{fabric.global_rank}.pt")
+        print(f"rank {fabric.global_rank}: {strategy} {case} done", flush=True)
+    _tear_down(cases)
+
+
+def _tear_down(cases: tuple[str, ...]) -> None:
+    """Leave together: a barrier, then the process group destroyed on every rank before the interpreter exits.
+
+    Left to interpreter shutdown, the gloo group's native threads can be destroyed while still joinable
+    (``terminate called without an active exception``, exit -6) when one rank exits while its peer is still
+    tearing down. After ``die-ingest`` the peer is gone, so there is nothing to leave together with.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "die-ingest" in cases:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,162 @@
+"""The README's main job, `tslightning fit --config configs/quickstart.yaml`, in a shortened form."""
+
+from __future__ import annotations
+
+import json
+
+from tslightning import cli
+
+
+def test_quickstart_fit_runs_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    cli.main(
+        [
+            "fit",
+            "--config",
+            "configs/quickstart.yaml",
+            "--updates",
+            "2",
+            "--warm_start.steps",
+            "150",
+            "--rollout.prompts_per_update",
+            "2",
+            "--out_dir",
+            str(out),
+            "--progress",
+            "false",
+        ]
+    )
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert len(rewards["mean_rewards"]) == 2 and all(0.0 <= r <= 1.5 for r in rewards["mean_rewards"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["schedule"] == "thundersync" and config["rollout"]["prompts_per_update"] == 2
+    metrics = list((out / "csv").rglob("metrics.csv"))
+    assert metrics and "train/mean_reward" in metrics[0].read_text()
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    trace = list((out / "trace").rglob("*.jsonl"))
+    assert trace and trace[0].read_text().strip()
+
+
+def _lags(out):
+    import csv
+
+    rows = list(csv.DictReader(next((out / "csv").rglob("metrics.csv")).open()))
+    return [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")]
+
+
+def _short_fit(out, schedule, *extra):
+    cli.main(
+        [
+            "fit",
+            "--config",
+            "configs/quickstart.yaml",
+            "--updates",
+            "3",
+            "--warm_start.steps",
+            "150",
+            "--rollout.prompts_per_update",
+            "2",
+            "--rollout.samples_per_prompt",
+            "2",
+            "--out_dir",
+            str(out),
+            "--progress",
+            "false",
+            "--schedule",
+            schedule,
+            *extra,
+        ]
+    )
+    return json.loads((out / "rewards.json").read_text())
+
+
+def test_async_is_one_step_off(tmp_path):
+    """Batch 0 comes from θ_0 (lag 0); every later batch was sampled one version behind the learner."""
+    rewards = _short_fit(tmp_path / "async", "async")
+    assert len(rewards["mean_rewards"]) == 3
+    assert _lags(tmp_path / "async") == [0.0, 1.0, 1.0]
+
+
+def test_fully_async_rolls_out_across_updates_with_a_bounded_lag(tmp_path):
+    """Rollout never stops: while update 0 learns, the next groups are already sampled from θ_0, so update 1 trains
+    on them one version behind (lag 1); the bound keeps every lag ≤ 1; batches are the first P groups to complete."""
+    rewards = _short_fit(tmp_path / "fa", "fully_async", "--staleness_bound", "1")
+    lags = _lags(tmp_path / "fa")
+    assert len(rewards["mean_rewards"]) == 3 and len(lags) == 3
+    assert lags[0] == 0.0 and lags[1] == 1.0 and all(lag <= 1.0 for lag in lags)
+    trace = [json.loads(line) for path in (tmp_path / "fa" / "trace").rglob("*.jsonl") for line in path.open()]
+    groups = {r["group"] for r in trace if r["record"] == "source"}
+    assert groups and all(g.startswith("g") for g in groups)  # continuous slots, not per-update prompts
+
+
+def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
+    """Same seed, same rollouts (seeds by identity, not arrival): the two zero-staleness schedules end at the same θ,
+    with the recompute and with the boundary-adjoint (App. I) streamed learner."""
+    import torch
+
+    from tslightning.loop.fit import RolloutSettings, WarmStartSettings, fit
+    from tslightning.models.tiny_model import load_tiny_model
+
+    thetas = {}
+    for name, schedule, context in (
+        ("sync", "sync", "recompute"),
+        ("thundersync", "thundersync", "recompute"),
+        ("boundary", "thundersync", "boundary"),
+    ):
+        out = tmp_path / name
+        fit(
+            schedule=schedule,
+            context_backward=context,
+            updates=3,
+            seed=5,
+            out_dir=str(out),
+            progress=False,
+            available_flops=1e11,
+            rollout=RolloutSettings(
+                task_names=["count-lines", "dedupe-lines"],
+                prompts_per_update=2,
+                samples_per_prompt=3,
+                max_turns=2,
+                max_tokens_per_turn=64,
+            ),
+            warm_start=WarmStartSettings(steps=150),  # a policy still exploring: groups with unequal rewards
+            model=_float64(),
+            optimizer=_adamw(1e-3),
+        )
+        state = torch.load(out / "checkpoints" / "update-2" / "state.pt", weights_only=True)["state_dict"]
+        theta0, _ = load_tiny_model(out / "policy-0")
+        initial = {f"policy.{k}": v for k, v in theta0.state_dict().items()}
+        names = sorted(k for k in state if k in initial)
+        thetas[name] = torch.cat([state[k].flatten().double() for k in names])
+        thetas["initial"] = torch.cat([initial[k].flatten().double() for k in names])
+    sync = thetas["sync"]
+    moved = float((sync - thetas["initial"]).norm())
+    assert moved > 0
+    for streamed in (thetas["thundersync"], thetas["boundary"]):
+        assert float((streamed - sync).norm()) / moved <= 1e-10  # Δ_k of Eq. 30
+
+
+def _float64():
+    from tslightning.loop.fit import ModelSettings
+
+    return ModelSettings(dtype="float64")
+
+
+def _adamw(lr):
+    from tslightning.learner.streaming_module import OptimizerSettings
+
+    return OptimizerSettings(lr=lr)
+
+
+def test_boundary_context_backward_needs_thundersync(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="context_backward"):
+        _short_fit(tmp_path / "bad", "sync", "--context_backward", "boundary")
+
+
+def test_teacher_cpus_needs_the_opd_objective(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="model.teacher_cpus places the OPD teacher; objective 'grpo'"):
+        _short_fit(tmp_path / "bad", "sync", "--model.teacher_cpus", "[0]")

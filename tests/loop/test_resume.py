@@ -1,0 +1,110 @@
+"""Acceptance: kill a run during update k, resume from the last checkpoint, finish — the final parameters equal an
+uninterrupted run's and nothing is double-counted (trajectories, scored tokens, publications, the release trace)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tslightning.loop.fit as fit_module
+from tslightning.callbacks import read_trace
+from tslightning.callbacks.checkpoint_state import read_meta
+from tslightning.core.batch_registry import BatchPlan
+from tslightning.core.sources import TrajectorySource
+from tslightning.learner.streaming_module import OptimizerSettings
+from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
+
+KILLED_AT = 2
+EVERY_UPDATE = CheckpointSettings(interval_s=1e-9)  # any positive GPU-clock is past the interval
+
+
+class Killed(RuntimeError):
+    """Stands in for the process dying (OOM, preemption) in the middle of an update."""
+
+
+def run(out: Path, **overrides):
+    """The quickstart's settings, shrunk: 3 updates of 2 prompts × 2 samples after a 100-step warm start."""
+    rollout = RolloutSettings(
+        prompts_per_update=2, samples_per_prompt=2, max_turns=3, max_tokens_per_turn=96, max_tokens_per_trajectory=256
+    )
+    settings = dict(
+        updates=3,
+        seed=42,
+        out_dir=str(out),
+        rollout=rollout,
+        warm_start=WarmStartSettings(steps=100),
+        optimizer=OptimizerSettings(lr=3e-4),
+        available_flops=1e11,
+        progress=False,
+    )
+    return fit(**(settings | overrides))
+
+
+def killed_during(update: int, original):
+    """``_one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
+
+    def one_update(fabric, module, optimizer, stream, index: int) -> None:
+        if index != update:
+            return original(fabric, module, optimizer, stream, index)
+        ingested = 0
+        for item in stream:
+            module.ingest(item)
+            if isinstance(item, BatchPlan):
+                fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=index)
+            ingested += isinstance(item, TrajectorySource)
+            if ingested == 2:
+                raise Killed(f"killed during update {index} after {ingested} sources")
+
+    return one_update
+
+
+def final_state(out: Path, update: int) -> tuple[dict, dict]:
+    directory = out / "checkpoints" / f"update-{update}"
+    return torch.load(directory / "state.pt", weights_only=True), read_meta(directory)
+
+
+def test_kill_resume_finish_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    uninterrupted = tmp_path / "uninterrupted"
+    run(uninterrupted)
+    state_a, meta_a = final_state(uninterrupted, 2)
+
+    interrupted = tmp_path / "interrupted"
+    with monkeypatch.context() as patch:
+        patch.setattr(fit_module, "_one_update", killed_during(KILLED_AT, fit_module._one_update))
+        with pytest.raises(Killed):
+            run(interrupted, checkpoint=EVERY_UPDATE)
+    checkpoints = interrupted / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["update-0", "update-1"]  # nothing of update 2
+    resumed = run(interrupted, checkpoint=EVERY_UPDATE, resume=str(checkpoints / f"update-{KILLED_AT - 1}"))
+    state_b, meta_b = final_state(interrupted, 2)
+
+    assert len(resumed.mean_rewards) == 1  # only update 2 ran after the resume
+    theta_a, theta_b = state_a["state_dict"], state_b["state_dict"]
+    assert theta_a.keys() == theta_b.keys()
+    gap = max((theta_a[name] - theta_b[name]).abs().max().item() for name in theta_a)
+    assert gap <= 1e-6, f"max |θ_A − θ_B| = {gap}"
+    print(f"\nmax |θ_A − θ_B| = {gap}; bit-identical: {all(torch.equal(theta_a[n], theta_b[n]) for n in theta_a)}")
+
+    for field in ("trajectories_seen", "scored_tokens_seen", "policy_version", "update", "seed"):
+        assert meta_b[field] == meta_a[field], field
+    assert meta_a["trajectories_seen"] == 3 * 2 * 2 and meta_a["policy_version"] == 3
+    for key, callback_state in state_a["callbacks"].items():
+        if key.startswith(("WeightPublisher", "StalenessMonitor")):
+            assert state_b["callbacks"][key] == callback_state, key  # 3 publications, 3 updates' lags
+    updates = [r["update"] for r in read_trace(interrupted / "trace") if r["record"] == "update"]
+    assert updates == [0, 1, 2]
+
+
+@pytest.mark.parametrize("schedule", ["async", "fully_async"])
+def test_schedules_that_sample_ahead_refuse_to_resume_before_any_work(tmp_path, schedule):
+    with pytest.raises(ValueError, match=f"schedule '{schedule}' cannot resume exactly"):
+        fit(schedule=schedule, out_dir=str(tmp_path / "run"), resume=str(tmp_path), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_from_a_directory_that_is_no_checkpoint_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no state.pt; give an update-<k> checkpoint directory"):
+        fit(out_dir=str(tmp_path / "run"), resume=str(tmp_path), progress=False)
