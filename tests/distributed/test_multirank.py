@@ -27,7 +27,8 @@ rounding in coordinates whose gradient is nearly zero shows up at ~1e-5 of the s
 
 def _launch(out: Path, strategy: str, *cases: str, timeout: float = 300) -> subprocess.CompletedProcess:
     script = Path(__file__).with_name("multirank_cases.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent)}
+    pythonpath = os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     return subprocess.run(
         [sys.executable, str(script), str(out), strategy, *cases],
         env=env,
@@ -169,7 +170,7 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     command = [
         sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
         "--learner.devices", "2", "--learner.strategy", strategy, "--checkpoint.enabled", "false",
-        "--updates", "2", "--warm_start.steps", "300", "--progress", "false", "--out_dir", str(out),
+        "--updates", "2", "--warm_start.steps", "600", "--progress", "false", "--out_dir", str(out),
     ]  # fmt: skip
     done = subprocess.run(
         command,

@@ -118,6 +118,10 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
                 samples_per_prompt=3,
                 max_turns=2,
                 max_tokens_per_turn=64,
+                # Every request decoded alone and prefilled afresh: the sampled tokens then cannot depend on which
+                # requests happened to share a batch or a cached prefix (float rounding differs between those).
+                max_batch_size=1,
+                prefix_cache_tokens=0,
             ),
             warm_start=WarmStartSettings(steps=150),  # a policy still exploring: groups with unequal rewards
             model=_float64(),

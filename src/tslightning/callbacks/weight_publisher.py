@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from tslightning.core.sources import BatchClosed
+from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
@@ -103,7 +104,7 @@ class WeightPublisher(L.Callback):
         except Exception as exc:
             error = exc
         # The all-reduce is also the sync point: no rank starts batch k+1 before every engine acknowledged θ_{k+1}.
-        failed = trainer.strategy.all_reduce(torch.tensor([float(error is not None)]), reduce_op="sum")
+        failed = control_all_reduce(torch.tensor([float(error is not None)]))  # a host flag: over gloo, never NCCL
         if error is not None:
             raise error
         if float(failed.sum()) > 0:

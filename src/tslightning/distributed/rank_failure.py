@@ -6,7 +6,8 @@ failure there (:func:`reported_to_ranks`), every rank sees it and raises :class:
 direction is reduced, written or stepped — so no rank takes a partial step. A rank that died or hangs never
 reaches the agreement: the collective then fails after the process group's timeout (Fabric's
 ``DDPStrategy(timeout=...)``, default 30 min) and that failure becomes the same error, naming the update and the
-timeout. On a single process both are no-ops and the original exception passes through unchanged.
+timeout. On a single process both are no-ops and the original exception passes through unchanged. The agreement is
+a control message (:mod:`tslightning.distributed.collectives`): a gloo group carries it whatever the data backend.
 
 Ranks that serve learner work in lock-step (sharded parameters, :mod:`tslightning.distributed.lockstep`) exchange a
 status word per tick through :func:`exchange_status`, in the agreement's own layout (one float64 slot per rank, ``> 0``
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tslightning.distributed.collectives import CollectiveFailure, control_all_reduce, distributed, group_timeout
 
 
 class RankFailureError(RuntimeError):
@@ -48,7 +50,7 @@ def reported_to_ranks(update: int) -> Iterator[None]:
     except RankFailureError:
         raise
     except Exception as error:
-        if not _distributed():
+        if not distributed():
             raise
         _agree(update, error)
 
@@ -66,7 +68,7 @@ def exchange_status(update: int, code: int) -> list[int]:
     """
     if code < 1:
         raise ValueError(f"a tick status code is >= 1; got {code}")
-    if not _distributed():
+    if not distributed():
         return [code]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     slots = torch.zeros(world_size, dtype=torch.float64)
@@ -76,21 +78,8 @@ def exchange_status(update: int, code: int) -> list[int]:
     return [int(-v) for v in slots.tolist()]
 
 
-def group_timeout() -> timedelta | None:
-    """The default process group's collective timeout, where the backend exposes it (gloo, NCCL)."""
-    if not _distributed():
-        return None
-    group = dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
-
-
 def _agree(update: int, error: Exception | None) -> None:
-    if not _distributed():
+    if not distributed():
         return
     rank, world_size = dist.get_rank(), dist.get_world_size()
     flags = torch.zeros(world_size, dtype=torch.float64)
@@ -101,8 +90,8 @@ def _agree(update: int, error: Exception | None) -> None:
 
 def _all_reduce(flags: torch.Tensor, update: int, rank: int, error: Exception | None) -> None:
     try:
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM)
-    except RuntimeError as collective_error:  # gloo/NCCL timeouts and a peer's closed connection
+        control_all_reduce(flags)
+    except CollectiveFailure as collective_error:  # timeouts and a peer's closed connection; other errors pass
         timeout = group_timeout()
         raise RankFailureError(
             f"update {update}: rank {rank} waited for every learner rank (barrier agreement or lock-step tick) and the "
@@ -119,7 +108,3 @@ def _raise_if_failed(flags: torch.Tensor, update: int, world_size: int, error: E
             f"update {update} failed on learner rank(s) {failed} of {world_size}; no rank took the optimizer step "
             f"(parameters unchanged everywhere){own}"
         ) from error
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -45,7 +45,7 @@ from tslightning.core.sources import (
     TurnSource,
 )
 from tslightning.core.turn_accumulator import TurnAccumulator
-from tslightning.distributed.collectives import all_reduce_sum
+from tslightning.distributed.collectives import all_reduce_sum, control_all_reduce
 from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
@@ -446,10 +446,11 @@ class StreamingPolicyModule(L.LightningModule):
     # ----------------------------------------------------------------- barrier pieces
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
         """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
+        device = self.layout.parameters[0].device  # the data backend reduces there (NCCL: never a host tensor)
         if self.objective is Objective.GRPO:
-            return all_reduce_sum(self.groups.batch.clone()), self._num_scored_tokens
-        total = all_reduce_sum(self.turns.total.clone())
-        count = int(all_reduce_sum(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
+            return all_reduce_sum(self.groups.batch.clone(), device), self._num_scored_tokens
+        total = all_reduce_sum(self.turns.total.clone(), device)
+        count = int(control_all_reduce(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
         if count == 0:
             raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
         return total / count, count
