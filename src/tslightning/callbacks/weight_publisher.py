@@ -32,12 +32,15 @@ class WeightPublisher(L.Callback):
     ``module.update_timings["publication_s"]`` and logs ``timing_s/update_weights`` at step k.
 
     Args:
-        engine: The rollout engine; its ``publish`` returns after every replica acknowledged.
+        engine: The rollout engine; its ``publish`` returns after every replica acknowledged. ``None``: set
+            :attr:`engine` before the first update (e.g. once each rank started its engine after ``fabric.launch()``).
         timeout_s: Seconds to wait for the acknowledgement before failing; ``None`` waits as long as the engine does.
         every_rank: Each learner rank has its own engine (it rolls out its own groups) and publishes to it.
     """
 
-    def __init__(self, engine: RolloutEngine, timeout_s: float | None = None, every_rank: bool = False) -> None:
+    def __init__(
+        self, engine: RolloutEngine | None = None, timeout_s: float | None = None, every_rank: bool = False
+    ) -> None:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"WeightPublisher: timeout_s must be > 0 or None; got {timeout_s}")
         self.engine = engine
@@ -66,6 +69,8 @@ class WeightPublisher(L.Callback):
         """
         if not isinstance(batch, BatchClosed):
             return
+        if self.engine is None:
+            raise RuntimeError("WeightPublisher has no engine: pass one, or set .engine before the first update")
         version = pl_module.policy_version
         start = time.perf_counter()
         weights = _full_weights(pl_module.policy)  # ZeRO-3: a gather every rank enters

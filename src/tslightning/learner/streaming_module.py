@@ -58,6 +58,7 @@ from tslightning.distributed.zero_gradients import (
 )
 from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
 from tslightning.learner.group_admission import GroupAdmission
+from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
@@ -348,7 +349,7 @@ class StreamingPolicyModule(L.LightningModule):
         else:
             logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
-            grads = self._fill_unused(torch.autograd.grad(score, self._leaves(), allow_unused=True))
+            grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
         self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
@@ -365,7 +366,7 @@ class StreamingPolicyModule(L.LightningModule):
         logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
-        self.turns.add(self._fill_unused(grads), source.num_scored)
+        self.turns.add(self.layout.with_zeros(grads), source.num_scored)
 
     def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
         """A closed trajectory's deferred context gradient: boundary adjoints replayed through earlier turns."""
@@ -390,7 +391,7 @@ class StreamingPolicyModule(L.LightningModule):
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
         objective = batch_objective(self.policy, self.objective, chunk, weights)
-        grads = self._fill_unused(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
+        grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
         if self.objective is Objective.GRPO:
             self.layout.add_(self.groups.batch, grads)
         else:
@@ -424,7 +425,8 @@ class StreamingPolicyModule(L.LightningModule):
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
         start = time.perf_counter()
-        work()
+        with pass_context(self):
+            work()
         release_pass_leftovers(self)  # ZeRO-3 only
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
@@ -481,12 +483,6 @@ class StreamingPolicyModule(L.LightningModule):
                 f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "
                 "the rollout engine and learner must share one tokenizer"
             )
-
-    def _fill_unused(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        return [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
-            for p, shape, g in zip(self.layout.parameters, self.layout.shapes, grads, strict=True)
-        ]
 
     def _leaves(self) -> list[torch.Tensor]:
         """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""
