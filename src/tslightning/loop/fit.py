@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -30,7 +29,10 @@ from tslightning.callbacks import (
 from tslightning.core.batch_registry import Objective
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
-from tslightning.loop.resume import check_resume, checkpointer, resume_from
+from tslightning.loop.preflight import preflight
+from tslightning.loop.resume import checkpointer, resume_from
+from tslightning.loop.run_config import resolved_config
+from tslightning.loop.run_directory import RunDirectory, open_run_directory
 from tslightning.loop.settings import (
     PARTITIONED,
     CheckpointSettings,
@@ -38,7 +40,6 @@ from tslightning.loop.settings import (
     ModelSettings,
     RolloutSettings,
     WarmStartSettings,
-    setting_problems,
 )
 from tslightning.loop.startup import (
     place_learner,
@@ -46,7 +47,6 @@ from tslightning.loop.startup import (
     rollout_datamodule,
     start_engine,
     start_teacher,
-    training_tasks,
 )
 from tslightning.loop.updates import (
     FitResult,
@@ -78,6 +78,7 @@ def fit(
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
+    overwrite: bool = False,
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
@@ -95,7 +96,9 @@ def fit(
             swapped into the engines in flight, and ``staleness_bound`` limits the policy lag (GRPO).
         updates: Optimizer updates (logical batches).
         seed: Run seed: model init, task order, sampling seeds.
-        out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
+        out_dir: Where the model, logs (CSV, TensorBoard), traces, checkpoints and the resolved config (``config.yaml``,
+            re-runnable with ``--config``) go. It must not hold an earlier run's outputs unless ``resume`` continues
+            that run or ``overwrite`` replaces it.
         model: The policy and teacher.
         rollout: Rollout pool, tasks and agent limits.
         warm_start: Supervised warm start before RL.
@@ -112,7 +115,12 @@ def fit(
         checkpoint: When and where checkpoints are written.
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
-        callbacks: Extra Lightning callbacks (``class_path``/``init_args`` in configs), run after the built-in ones.
+            There is no warm start (the checkpoint holds the trained weights), and the resumed segment writes its own
+            ``config.resume-<n>.yaml`` and ``rewards.resume-<n>.json`` beside the run's.
+        overwrite: Replace the earlier run in ``out_dir``: remove what ``fit`` wrote there (config, logs, trace,
+            checkpoints, policy) before starting. Without it, a run into a used ``out_dir`` is refused.
+        callbacks: Extra callbacks (``class_path``/``init_args`` in configs), run after the built-in ones. The loop is
+            Fabric's, so Lightning's Trainer callbacks (ModelCheckpoint, Timer, ThroughputMonitor, ...) are refused.
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
@@ -120,18 +128,14 @@ def fit(
         progress: Show a progress bar.
     """
     arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
-    check_resume(resume, schedule)
-    problems = setting_problems(objective, schedule, context_backward, model, learner, checkpoint, resume)
-    if problems:
-        raise ValueError("fit: " + "; ".join(problems))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_resolved_config(arguments), indent=2, default=str))
+    tasks = preflight(**arguments)  # every problem at once, before anything is written
+    config = resolved_config(arguments)
+    run = open_run_directory(out_dir, config, resume, overwrite, checkpoint.dirpath if checkpoint.enabled else None)
+    out = run.path
     torch.manual_seed(seed)
     place_learner(learner.cpus)
 
-    tasks = training_tasks(rollout)
-    policy, tokenizer, policy_dir = prepare_policy(model, rollout, warm_start, tasks, seed, out)
+    policy, tokenizer, policy_dir = prepare_policy(model, rollout, warm_start, tasks, seed, out, resume)
     engine = start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
     teacher = start_teacher(model, rollout, warm_start, tasks, seed, out) if objective == "opd" else None
     datamodule = rollout_datamodule(rollout, engine, tokenizer, tasks, objective, teacher, seed)
@@ -151,7 +155,7 @@ def fit(
             MFUMonitor(available_flops=available_flops),
             ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
             *callbacks,
-            *([checkpointer(checkpoint, out, seed)] if checkpoint.enabled else []),  # last: it saves the others
+            *([checkpointer(checkpoint, out, seed, config)] if checkpoint.enabled else []),  # last: saves the others
         ],
     )
     fabric.launch()
@@ -177,7 +181,7 @@ def fit(
     try:
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
         return _run_updates(
-            fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first, staleness_bound
+            fabric, module, fabric_optimizer, datamodule, updates, progress, run, schedule, first, staleness_bound
         )
     finally:
         engine.close()
@@ -192,11 +196,12 @@ def _run_updates(
     datamodule,
     updates: int,
     progress: bool,
-    out: Path,
+    run: RunDirectory,
     schedule: str = "thundersync",
     first: int = 0,
     staleness_bound: int = 1,
 ) -> FitResult:
+    out = run.path
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
     bar = tqdm(range(first, updates), desc="updates", disable=not progress)
@@ -225,14 +230,10 @@ def _run_updates(
     for logger in fabric.loggers:
         logger.finalize("success")
     if fabric.global_rank == 0:  # the ranks share out_dir; the rewards are already over every rank's share
-        (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+        run.rewards_file.write_text(json.dumps(asdict(result), indent=2))
     if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
         plot_timeline(out / "trace", out / "timeline.png")
     return result
-
-
-def _resolved_config(arguments: dict) -> dict:
-    return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in arguments.items() if k != "out"}
 
 
 __all__ = [
