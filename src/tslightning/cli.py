@@ -314,7 +314,7 @@ _CONFIG_NAME = re.compile(r"(configs/)?[\w.-]+")
 """A ``--config`` value that may name a shipped config (a bare name, ``NAME.yaml`` or ``configs/NAME.yaml``)."""
 
 
-class CommandLineError(Exception):
+class CommandLineError(ValueError):
     """A command line the user must fix (an unknown config, a value a settings class refused)."""
 
 
