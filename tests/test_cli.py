@@ -180,3 +180,14 @@ def test_user_errors_are_one_line_and_debug_raises_them(capsys, tmp_path):
         cli.main(["fit", "--config", "quickstart", "--rollout.engine", "tgi", "--debug"])
     with pytest.raises(ValueError, match="TinyModelConfig.hidden_size"):
         cli.main(["--debug", "fit", "--config", "quickstart", "--model.tiny.hidden_size", "100"])
+
+
+def test_overwrite_may_be_given_bare():
+    assert cli._expand_bare_flags(["fit", "--overwrite", "--updates", "2"]) == [
+        "fit",
+        "--overwrite",
+        "true",
+        "--updates",
+        "2",
+    ]
+    assert cli._expand_bare_flags(["fit", "--overwrite", "false"]) == ["fit", "--overwrite", "false"]

@@ -26,7 +26,7 @@ from tslightning.sandbox import Backend, SandboxUnavailableError
 from tslightning.tasks.rewards import RewardScheme
 from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
 
-_BARE_FLAGS = ("--json",)
+_BARE_FLAGS = ("--json", "--overwrite")
 
 
 def verify(
