@@ -63,7 +63,12 @@ class SandboxLimits:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             return f"sandbox.limits.{name} must be an int (got {value!r})"
-        minimum = {"memory_bytes": _MIN_MEMORY_BYTES, "max_output_bytes": _MIN_OUTPUT_BYTES, "tmp_bytes": 2**20}
+        minimum = {
+            "memory_bytes": _MIN_MEMORY_BYTES,
+            "max_output_bytes": _MIN_OUTPUT_BYTES,
+            "tmp_bytes": 2**20,
+            "disk_bytes": 2**20,
+        }
         floor = minimum.get(name, 1)
         if value < floor:
             return f"sandbox.limits.{name} must be >= {floor} (got {value!r})"
