@@ -131,12 +131,13 @@ def _open_dir(fd: int, name: str, entry: os.stat_result, unlock: bool) -> tuple[
 
 
 def _climb(fd: int, parent: tuple[int, int]) -> int:
+    """The descriptor of ``fd``'s parent, which must be ``parent``; ``fd`` is closed once it is."""
     up = os.open("..", _DIR_FLAGS, dir_fd=fd)
-    os.close(fd)
     found = os.fstat(up)
     if (found.st_dev, found.st_ino) != parent:
         os.close(up)
         raise TreeChangedError("a directory was moved out of the tree during the walk")
+    os.close(fd)
     return up
 
 
