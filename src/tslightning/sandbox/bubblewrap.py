@@ -31,7 +31,7 @@ was built on have neither cgroup v2 controllers nor delegation); memory and disk
 from __future__ import annotations
 
 import functools
-import json
+import marshal
 import os
 import shutil
 import subprocess
@@ -39,10 +39,10 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from tslightning.sandbox import file_tree
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
 from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, kernel_limits
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
+from tslightning.sandbox.file_tree import chown_tree
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.supervision import Launch
 from tslightning.sandbox.syscall_filter import syscall_filter
@@ -180,7 +180,7 @@ class _Descriptors:
 def _init_config(
     command: str, limits: SandboxLimits, mounts: tuple[Mount, ...], ready_fd: int, status_fd: int, verifier: bool
 ) -> bytes:
-    """The JSON that :mod:`init_process` reads."""
+    """The configuration :mod:`init_process` reads (``marshal``-encoded)."""
     config = {
         "command": command,
         "shell": f"{GUARDED_BIN}/bash" if verifier else "/bin/bash",
@@ -193,7 +193,7 @@ def _init_config(
         "disk_paths": [MOUNT_POINTS[mount] for mount in mounts if mount != "tests"],
         "tmpfs_paths": list(_TMPFS_POINTS),
     }
-    return json.dumps(config).encode()
+    return marshal.dumps(config)
 
 
 def _command_env(env: Mapping[str, str], verifier: bool) -> dict[str, str]:
@@ -307,7 +307,7 @@ def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -
                 os.chown(parent, uid, uid, follow_symlinks=False)
             if mount == "tests":
                 continue
-            file_tree.chown_tree(top, uid, uid)
+            chown_tree(top, uid, uid)
     except OSError as error:
         raise SandboxError(f"could not hand the attempt's directories to uid {uid}: {error}") from error
 
@@ -320,7 +320,7 @@ def _check_namespaces(bwrap: str, host_uid: int | None) -> None:
     os.write(seccomp, syscall_filter())
     os.lseek(seccomp, 0, os.SEEK_SET)
     probe = [bwrap, *_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds(), *_private_dirs(2**20)]
-    probe += ["--seccomp", str(seccomp), "--", _interpreter(), "-I", "-S", "-B", "-c", "import ctypes, json"]
+    probe += ["--seccomp", str(seccomp), "--", _interpreter(), "-I", "-S", "-B", "-c", "import ctypes, marshal"]
     try:
         result = subprocess.run(
             probe,

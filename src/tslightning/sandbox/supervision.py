@@ -9,7 +9,7 @@ process exits (background jobs do not outlive a command), and classifies the res
 from __future__ import annotations
 
 import contextlib
-import json
+import marshal
 import os
 import re
 import selectors
@@ -58,7 +58,7 @@ class Launch:
     """Further descriptors the launched process inherits under the same numbers (bwrap's arguments, filter, init
     sources, configuration); ``supervise`` closes them once the process is started."""
     status_fd: int | None = None
-    """Read end of the pipe on which the sandbox's init writes its JSON status (see
+    """Read end of the pipe on which the sandbox's init writes its status (see
     :mod:`tslightning.sandbox.init_process`); ``supervise`` reads and closes it once the command is over."""
 
 
@@ -196,7 +196,7 @@ def _close(fds) -> None:
 
 
 def _read_status(fd: int | None) -> dict | None:
-    """The init's JSON status, or None when it wrote none (it was killed: timeout, output flood)."""
+    """The init's status, or None when it wrote none (it was killed: timeout, output flood)."""
     if fd is None:
         return None
     os.set_blocking(fd, False)
@@ -205,8 +205,8 @@ def _read_status(fd: int | None) -> dict | None:
         while chunk := os.read(fd, _CHUNK):
             chunks.append(chunk)
     try:
-        status = json.loads(b"".join(chunks))
-    except ValueError:
+        status = marshal.loads(b"".join(chunks))  # written by the sandbox's init only, never by the command
+    except (EOFError, ValueError, TypeError):
         return None
     return status if isinstance(status, dict) else None
 
