@@ -38,6 +38,12 @@ def test_nul_and_unencodable_commands_are_observations(attempt):
     assert attempt.run_command("echo still here").output == "still here\n"
 
 
+def test_a_command_that_locks_app_does_not_lock_out_the_next_one(attempt):
+    assert attempt.run_command("chmod 000 /app && echo locked").output == "locked\n"
+    assert attempt.run_command("wc -l < log.txt > count.txt").ok  # bwrap could not even enter /app before
+    assert attempt.verify() == 1.5
+
+
 def test_a_140_kb_command_runs(attempt):
     content = "line\n" * 28_000
     result = attempt.run_command(f"cat > big.txt <<'EOF'\n{content}EOF\nwc -l < big.txt")

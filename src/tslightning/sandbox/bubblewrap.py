@@ -34,6 +34,7 @@ import functools
 import marshal
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -115,6 +116,7 @@ class BubblewrapSandbox(Sandbox):
     ) -> Launch:
         if self._host_uid is not None:
             _hand_over(self.attempt, mounts, self._host_uid)
+        _unlock_mount_points(self.attempt, mounts)
         passed = _Descriptors()
         status_read, status_write = os.pipe()
         passed.fds.append(status_write)
@@ -310,6 +312,16 @@ def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -
             chown_tree(top, uid, uid)
     except OSError as error:
         raise SandboxError(f"could not hand the attempt's directories to uid {uid}: {error}") from error
+
+
+def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...]) -> None:
+    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again: a command may lock its own
+    ``/app`` (``chmod 000 /app``), and bwrap could then not even enter it for the next command."""
+    for mount in mounts:
+        top = attempt.host_path(mount)
+        mode = stat.S_IMODE(os.lstat(top).st_mode)
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(top, mode | stat.S_IRWXU)
 
 
 @functools.cache

@@ -211,8 +211,14 @@ def _own(dir_fd: int, name: str | None, entry: os.stat_result, uid: int, gid: in
             pass
 
 
+MIN_ENTRY_BYTES = 4096
+"""What each file, directory or link counts for at least in :func:`disk_usage` (one block): an empty file takes no
+block but an inode and a directory entry, and millions of them would cost every walk (and the trainer's memory)."""
+
+
 def disk_usage(root: str | os.PathLike[str], *, unlock: bool = False) -> int:
-    """Bytes of disk used by ``root`` and everything below it: allocated blocks, each inode counted once."""
+    """Bytes of disk used by ``root`` and everything below it: allocated blocks, at least :data:`MIN_ENTRY_BYTES` per
+    entry, each inode counted once."""
     seen: set[tuple[int, int]] = set()
     total = 0
 
@@ -221,8 +227,8 @@ def disk_usage(root: str | os.PathLike[str], *, unlock: bool = False) -> int:
         key = (entry.st_dev, entry.st_ino)
         if key not in seen:
             seen.add(key)
-            total += entry.st_blocks * 512
+            total += max(entry.st_blocks * 512, MIN_ENTRY_BYTES)
         return True
 
     root_stat = walk_tree(root, visit, unlock=unlock)
-    return total + root_stat.st_blocks * 512
+    return total + max(root_stat.st_blocks * 512, MIN_ENTRY_BYTES)

@@ -36,7 +36,8 @@ class SandboxLimits:
     EFBIG. Bounds each file; ``disk_bytes`` bounds the total."""
     disk_bytes: int = 10 * 2**30
     """Disk the attempt may use in all: its writable directories (``/app``, and ``/logs/verifier`` / ``/oracle``
-    when mounted) and the private ``/tmp`` and ``/dev/shm``. The sandbox's init sums it every 0.25 s or more and
+    when mounted) and the private ``/tmp`` and ``/dev/shm``, each file, directory or link counting at least 4 KiB
+    (so the number of files is bounded too). The sandbox's init sums it every 0.25 s or more and
     kills the command once the total exceeds this (or what was already used when the command started, if more):
     ``limit_hit="disk"``. Between two checks a command can overshoot by what it writes in that time."""
     max_processes: int = 256
