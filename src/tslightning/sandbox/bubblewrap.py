@@ -122,24 +122,10 @@ class BubblewrapSandbox(Sandbox):
         passed.fds.append(status_write)
         try:
             config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
-            args = [*_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
-            args += _private_dirs(min(limits.tmp_bytes, limits.disk_bytes))
-            for mount in mounts:
-                args += ["--ro-bind" if mount == "tests" else "--bind", str(self.attempt.host_path(mount))]
-                args.append(MOUNT_POINTS[mount])
-            args += _masks([_PACKAGE_DIR, *self.attempt.hidden])
-            args += ["--seccomp", passed.data(syscall_filter(verifier=verifier))]
-            for name in _INIT_FILES:
-                args += ["--ro-bind-data", passed.data(_init_source(name)), f"{RUN_DIR}/{name}"]
-            if verifier:
-                args += ["--perms", "0111", "--ro-bind-data", passed.file(_bash()), f"{GUARDED_BIN}/bash"]
-            # Read-only from here on: the empty root (no new top-level dirs) and /dev (device nodes stay usable).
-            args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-            for name, value in _command_env(env, verifier).items():
-                args += ["--setenv", name, value]
+            options = self._options(limits, mounts, cwd, env, verifier, passed)
             init = [_interpreter(), "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
-            # bwrap reads its options from a descriptor (the command itself must stay on its command line).
-            options_fd = passed.data(b"".join(os.fsencode(arg) + b"\0" for arg in args))
+            # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
+            options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
         except BaseException:
             passed.close()
             os.close(status_read)
@@ -152,6 +138,33 @@ class BubblewrapSandbox(Sandbox):
             status_fd=status_read,
         )
 
+    def _options(
+        self,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        verifier: bool,
+        passed: _Descriptors,
+    ) -> list[str]:
+        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
+        options = [*_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
+        options += _private_dirs(min(limits.tmp_bytes, limits.disk_bytes))
+        for mount in mounts:
+            bind = "--ro-bind" if mount == "tests" else "--bind"
+            options += [bind, str(self.attempt.host_path(mount)), MOUNT_POINTS[mount]]
+        options += _masks([_PACKAGE_DIR, *self.attempt.hidden])
+        options += ["--seccomp", passed.data(syscall_filter(verifier=verifier))]
+        for name in _INIT_FILES:
+            options += ["--ro-bind-data", passed.data(_init_source(name)), f"{RUN_DIR}/{name}"]
+        if verifier:
+            options += ["--perms", "0111", "--ro-bind-data", passed.file(_bash()), f"{GUARDED_BIN}/bash"]
+        # Read-only from here on: the empty root (no new top-level dirs) and /dev (device nodes stay usable).
+        options += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
+        for name, value in _command_env(env, verifier).items():
+            options += ["--setenv", name, value]
+        return options
+
 
 class _Descriptors:
     """Descriptors handed to bwrap: in-memory files of data, or files opened read-only."""
@@ -160,7 +173,7 @@ class _Descriptors:
         self.fds: list[int] = []
 
     def data(self, content: bytes) -> str:
-        fd = os.memfd_create("tsl-sandbox", 0)
+        fd = os.memfd_create("tsl-sandbox")  # close-on-exec: only bwrap receives it (pass_fds)
         self.fds.append(fd)
         view = memoryview(content)
         while view:
@@ -328,7 +341,7 @@ def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...]) -
 def _check_namespaces(bwrap: str, host_uid: int | None) -> None:
     """Start one trivial sandbox with the namespaces, filter and interpreter ``run`` uses; raise with the fix when
     the kernel refuses, or when the trainer's Python cannot run the init inside."""
-    seccomp = os.memfd_create("tsl-probe", 0)
+    seccomp = os.memfd_create("tsl-probe")
     os.write(seccomp, syscall_filter())
     os.lseek(seccomp, 0, os.SEEK_SET)
     probe = [bwrap, *_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds(), *_private_dirs(2**20)]

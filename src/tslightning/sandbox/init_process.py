@@ -112,7 +112,7 @@ def _start(config: dict) -> int:
 
 
 def _script(command: bytes) -> int:
-    fd = os.memfd_create("command", 0)
+    fd = os.memfd_create("command")  # close-on-exec until the child duplicates it onto COMMAND_FD
     view = memoryview(command)
     while view:
         view = view[os.write(fd, view) :]
