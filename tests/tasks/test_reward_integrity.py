@@ -104,6 +104,16 @@ ATTACKS = {
         "        except OSError as error: open('/app/refusals.txt', 'a').write(f'{error}\\n')"
     ),
     "init of the sandbox signalled": "forge()\nfor s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT): os.kill(1, s)",
+    "process table filled before the final write": (
+        "forge()\n"
+        "def hold():\n"
+        "    for _ in range(400):\n"
+        "        try:\n"
+        "            if os.fork() == 0: time.sleep(30); os._exit(0)\n"
+        "        except OSError: break\n"
+        "    time.sleep(30)\n"
+        "daemon(hold)"
+    ),
 }
 
 
@@ -153,6 +163,19 @@ def test_a_stopped_test_runner_times_out_with_zero(fix_python_bug):
         write_app_file(attempt, "stats.py", hostile_stats_py("forge(); os.kill(test_sh_pid(), signal.SIGSTOP)"))
         assert attempt.verify() == 0.0
         assert attempt.verification.timed_out and "timed out" in attempt.verification.reason
+
+
+def test_filling_the_disk_stops_the_verifier_with_zero(fix_python_bug):
+    small = dataclasses.replace(
+        fix_python_bug, environment=dataclasses.replace(fix_python_bug.environment, storage_mb=16)
+    )
+    attack = (
+        "forge()\nfor name in 'ab': os.posix_fallocate(os.open('/app/' + name, os.O_CREAT | os.O_WRONLY), 0, 12 << 20)"
+    )
+    with TerminalTaskAttempt(small) as attempt:
+        write_app_file(attempt, "stats.py", hostile_stats_py(attack + "\ntime.sleep(2)"))
+        assert attempt.verify() == 0.0
+        assert "limit hit: disk" in attempt.verification.reason
 
 
 def test_a_fifo_in_place_of_the_reward_file_neither_hangs_nor_passes(fix_python_bug):

@@ -15,7 +15,8 @@ code the agent wrote runs beside the verifier. Layer by layer, what keeps it fro
    the verifier's writes); a process orphaned while ``test.sh`` runs (one the agent's code left behind, racing the
    verifier's final write) is killed at once and the time it died is reported.
 3. The sandbox's whole PID namespace is gone before the reward files are read: no late writer survives.
-4. ``test.sh`` ended by a signal (killed by the agent's code, or by a limit) scores 0.
+4. ``test.sh`` ended by a signal (killed by the agent's code, or by a limit; as a shell reports it, exit status
+   128 + N counts too) scores 0.
 5. The reward files must be what a plain write by the verifier leaves (regular files, one link, owner read/write,
    in an unchanged directory), and ``reward.txt`` and ``reward.json`` must agree when both exist
    (:func:`~tslightning.tasks.rewards.read_reward_files`).
