@@ -16,12 +16,15 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
+from tslightning.commands.plan import learner_shape, plan_report
+from tslightning.commands.plan import model_config as policy_config
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import RolloutSettings, fit
 from tslightning.loop.run_config import yaml_text
 from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters
+from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.sandbox import Backend, SandboxUnavailableError
 from tslightning.tasks.rewards import RewardScheme
 from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
@@ -293,8 +296,29 @@ def predict(
         print(f"  wrote {path}")
 
 
+def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str | None = None) -> None:
+    """Print each learner rank's memory (weights, gradients, optimizer state, statistics, activations with and
+    without checkpointing) for a fit config, planned from the model's config alone, and the settings to change when
+    it does not fit ``gpu_memory_gb``.
+
+    Args:
+        fit_config: A fit config file, or a shipped config's name (``--config`` works too).
+        gpu_memory_gb: Memory of one learner GPU (GiB), to say whether the run fits.
+        model_config: A Hugging Face ``config.json`` to plan for instead of ``model.path``'s (no weights needed).
+    """
+    cli = parser()
+    arguments = cli.instantiate(cli.parse_args(["fit", "--config", _config_file(fit_config)]))["fit"]
+    config = policy_config(arguments["model"], model_config)
+    learner = arguments["learner"]
+    model, rollout, cap = arguments["model"], arguments["rollout"], arguments["group_admission_cap"]
+    shape = learner_shape(config, arguments["objective"], model, rollout, learner, cap)
+    memory = plan_learner_memory(config, shape)
+    print(plan_report(memory, shape, gpu_memory_gb, learner.activation_checkpointing))
+
+
 COMMANDS = {
     "fit": fit,
+    "plan": plan,
     "verify": verify,
     "validate": validate,
     "replay": replay,
@@ -437,8 +461,8 @@ def _config_file(value: str) -> str:
 
 
 def _bench_fit_config(args: list[str]) -> list[str]:
-    """``bench --config FILE`` names the workload's fit config, not a config of bench's own arguments."""
-    if args[:1] != ["bench"]:
+    """``bench --config FILE`` and ``plan --config FILE`` name a fit config, not a config of their own arguments."""
+    if args[:1] not in (["bench"], ["plan"]):
         return args
     renamed = []
     for arg in args:

@@ -166,7 +166,9 @@ def fit(
     )
     fabric.launch()  # everything below runs once per learner rank, in one process group
     placement = launched_rank(fabric, learner)
-    policy, tokenizer, policy_dir = prepare_policy(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume))
+    policy, tokenizer, policy_dir = prepare_policy(
+        fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
+    )
     with contextlib.ExitStack() as started:
         with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
             context = agent_limits(rollout, policy.config).max_context_tokens
@@ -195,6 +197,7 @@ def fit(
             optimizer=optimizer,
             max_policy_lag=lag,
             context_backward=context_backward,
+            statistics_device=learner.statistics_device,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)

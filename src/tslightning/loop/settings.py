@@ -273,6 +273,11 @@ def setting_problems(
             "context backward runs several per source: set context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
+    if learner.activation_checkpointing and context_backward == "boundary":
+        problems.append(
+            "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "
+            "backward continues from: set context_backward=recompute or activation_checkpointing=false"
+        )
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
     return problems

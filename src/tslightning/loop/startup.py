@@ -100,7 +100,17 @@ def _few(names: list[str], shown: int = 6) -> str:
     return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
-def prepare_policy(fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool):
+def prepare_policy(
+    fabric,
+    model: ModelSettings,
+    rollout,
+    warm_start,
+    tasks,
+    seed: int,
+    out: Path,
+    resume: bool,
+    activation_checkpointing: bool = False,
+):
     """θ_0, built once: global rank 0 builds (or loads), warm-starts and saves it as ``out/policy-0``; every rank then
     loads that directory, so all ranks start from the same bytes and the engines serve them.
 
@@ -120,7 +130,16 @@ def prepare_policy(fabric, model: ModelSettings, rollout, warm_start, tasks, see
             compute_norms_in_float64(policy)
         if model.lora is not None:
             policy = _with_lora(policy, model.lora, float32_adapters=model.precision != "bf16-true")
+        if activation_checkpointing:
+            checkpoint_activations(policy)
     return policy, tokenizer, policy_dir
+
+
+def checkpoint_activations(policy: torch.nn.Module) -> None:
+    """transformers' gradient checkpointing (non-reentrant, so ``torch.autograd.grad`` passes work through it); it
+    acts in training mode only, which changes nothing else of a dropout-free policy."""
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.train()
 
 
 def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path) -> None:

@@ -77,11 +77,14 @@ class MemoryPlan:
     statistics: int
     activations: int
     activations_checkpointed: int
+    """Saved with activation checkpointing: the checkpointed layers' inputs and what runs outside them."""
+    layer_recompute: int
+    """One decoder layer's activations, re-materialized at a time in a checkpointed backward."""
     statistics_on_device: bool
 
     def device_bytes(self, checkpointing: bool) -> int:
         """What the learner's device holds at its peak: everything but host-resident statistics."""
-        activations = self.activations_checkpointed if checkpointing else self.activations
+        activations = self.activations_checkpointed + self.layer_recompute if checkpointing else self.activations
         statistics = self.statistics if self.statistics_on_device else 0
         return self.weights + self.gradients + self.optimizer + statistics + activations
 
@@ -94,11 +97,12 @@ class MemoryPlan:
             ("optimizer state (AdamW)", self.optimizer, "device"),
             ("statistics (G1/G2 x open groups + batch)", self.statistics, place),
             ("activations, one pass", self.activations, "device"),
-            ("activations, checkpointed", self.activations_checkpointed, "device"),
+            ("activations, checkpointed (saved)", self.activations_checkpointed, "device"),
+            ("  + one layer recomputed", self.layer_recompute, "device"),
             ("device total", self.device_bytes(False), "without checkpointing"),
             ("device total", self.device_bytes(True), "with checkpointing"),
         ]
-        return "\n".join(f"{name:<42} {size / GIB:>10.2f} GiB  {where}" for name, size, where in rows)
+        return "\n".join(f"{name:<42} {_readable(size):>12}  {where}" for name, size, where in rows)
 
     def advice(self, available: int, shape: LearnerShape) -> list[str]:
         """Settings that would bring the device total under ``available`` bytes, most effective first."""
@@ -113,7 +117,7 @@ class MemoryPlan:
             changes.append("group_admission_cap: 1 (fewer open groups' statistics)")
         if shape.strategy not in _SHARDS_WEIGHTS:
             changes.append("learner.strategy: fsdp (shard weights and optimizer state over more learner ranks)")
-        elif shape.world_size > 0:
+        else:
             changes.append("learner.devices / learner.num_nodes: more ranks to shard over")
         if shape.lora_rank is None:
             changes.append("model.lora: {r: 32, alpha: 64} (train adapters only)")
@@ -142,7 +146,8 @@ def plan_learner_memory(config: Any, shape: LearnerShape) -> MemoryPlan:
         optimizer=math.ceil(2 * trainable * _size(trainable_dtype) / optimizer_shards),
         statistics=vectors * trainable * _size(statistics_dtype),
         activations=activations,
-        activations_checkpointed=checkpointed + math.ceil((activations - checkpointed) / layers),
+        activations_checkpointed=checkpointed,
+        layer_recompute=math.ceil(max(0, activations - checkpointed) / layers),
         statistics_on_device=shape.statistics_device == "device",
     )
 
@@ -201,6 +206,10 @@ def _lora_numel(model: torch.nn.Module, shape: LearnerShape) -> int:
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
     )
+
+
+def _readable(size: int) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
 
 
 def _size(dtype: torch.dtype) -> int:
