@@ -109,3 +109,4 @@ def test_the_plan_says_which_setting_to_change(tiny):
     assert plan.advice(plan.device_bytes(False), shape) == []
     advice = plan.advice(plan.device_bytes(True), shape)
     assert advice[0] == "learner.activation_checkpointing: true" and "learner.statistics_device: host" in advice
+    assert "learner.activation_checkpointing: true" not in plan.advice(plan.device_bytes(True) - 1, shape, True)

@@ -64,5 +64,5 @@ def plan_report(plan: MemoryPlan, shape: LearnerShape, gpu_memory_gb: float | No
         fits = "fits" if need <= available else "does NOT fit"
         lines.append(f"{need / GIB:.2f} GiB with the run's settings {fits} in {gpu_memory_gb:g} GiB of GPU memory")
         if need > available:
-            lines += ["change: " + change for change in plan.advice(available, shape)]
+            lines += ["change: " + change for change in plan.advice(available, shape, checkpointing)]
     return "\n".join(lines)

@@ -104,12 +104,12 @@ class MemoryPlan:
         ]
         return "\n".join(f"{name:<42} {_readable(size):>12}  {where}" for name, size, where in rows)
 
-    def advice(self, available: int, shape: LearnerShape) -> list[str]:
+    def advice(self, available: int, shape: LearnerShape, checkpointing: bool = False) -> list[str]:
         """Settings that would bring the device total under ``available`` bytes, most effective first."""
-        if self.device_bytes(False) <= available:
+        if self.device_bytes(checkpointing) <= available:
             return []
         changes = []
-        if self.device_bytes(True) <= available:
+        if not checkpointing:
             changes.append("learner.activation_checkpointing: true")
         if self.statistics_on_device:
             changes.append("learner.statistics_device: host")
