@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from tslightning.core.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.core.sources import BatchClosed
+from tslightning.learner.update_log import write_update_row
 from tslightning.rollout.engine import PublishReceipt
 
 SMALL = WorkloadShape(
@@ -80,11 +81,14 @@ def fit(
     *,
     logger: Logger | bool = False,
     enable_checkpointing: bool | None = False,
+    max_epochs: int = 1,
+    ckpt_path: str | None = None,
 ) -> L.Trainer:
-    """Each batch as one update: one epoch of a CPU Trainer over the batches' stream items, one item per step.
-    ``enable_checkpointing=None`` is Lightning's default (it adds a ModelCheckpoint). Returns the Trainer."""
+    """Each batch as one update: one epoch of a CPU Trainer over the updates, one update (its stream items) per Trainer
+    batch, a row logged every update. ``enable_checkpointing=None`` is Lightning's default (it adds a
+    ModelCheckpoint). Returns the Trainer."""
     trainer = L.Trainer(
-        max_epochs=1,
+        max_epochs=max_epochs,
         accelerator="cpu",
         devices=1,
         callbacks=callbacks,
@@ -92,11 +96,16 @@ def fit(
         enable_checkpointing=enable_checkpointing,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
         default_root_dir=tmp_path,
     )
-    items = [item for batch in batches for item in batch.stream()]
-    trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+    updates = [list(batch.stream()) for batch in batches]
+    trainer.fit(module, train_dataloaders=DataLoader(updates, batch_size=None, collate_fn=_as_is), ckpt_path=ckpt_path)
     return trainer
+
+
+def _as_is(update: list) -> list:
+    return update
 
 
 def fabric_barrier(fabric: L.Fabric, module, optimizer) -> None:
@@ -126,6 +135,7 @@ def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger
         fabric.call(
             "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
         )
+        write_update_row(fabric)  # a Fabric loop writes the update's one row of metrics
 
 
 def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publication_s: float | None = None) -> None:
@@ -139,3 +149,4 @@ def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publicat
         if publication_s is not None and isinstance(item, BatchClosed):
             module.update_timings["publication_s"] = publication_s
         fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
+    write_update_row(fabric)

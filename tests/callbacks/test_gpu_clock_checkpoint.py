@@ -13,7 +13,14 @@ from harness import HOSTS, FakeEngine, fit, grpo_batches
 from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import GPUClockCheckpoint, WeightPublisher
-from tslightning.callbacks.checkpoint_state import checkpoint_dirs, policy_hash, read_meta, restore_checkpoint
+from tslightning.callbacks.checkpoint_state import (
+    checkpoint_dirs,
+    checkpoint_files,
+    policy_hash,
+    read_meta,
+    restore_checkpoint,
+)
+from tslightning.callbacks.gpu_clock_checkpoint import TRAINER_META_KEY
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
@@ -49,7 +56,9 @@ class FakeClock:
 
 class Timeline(L.Callback):
     """Sets the clock as each stream item starts: ``times[i]`` for the i-th item of the run (carried forward); and
-    records, at each item's start, what the previous item's end left: whether a checkpoint is due and which exist."""
+    records, at each item's start, what the previous item's end left: whether a checkpoint is due and which exist.
+    In a loop feeding one item per batch it acts at ``on_train_batch_start``; under a Trainer (one update per batch)
+    the module calls :meth:`before_item` as it ingests each item (:class:`ClockedModule`)."""
 
     def __init__(self, clock: FakeClock, times: dict[int, float], checkpointer: GPUClockCheckpoint) -> None:
         self.clock, self.times, self.checkpointer = clock, times, checkpointer
@@ -57,10 +66,26 @@ class Timeline(L.Callback):
         self.seen: list[tuple[int, bool, list[str]]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not isinstance(batch, list):
+            self.before_item()
+
+    def before_item(self) -> None:
         names = [p.name for p in checkpoint_dirs(self.checkpointer.dirpath)]
+        names += [path.rsplit("/", 1)[-1].removesuffix(".ckpt") for path in checkpoint_files(self.checkpointer.dirpath)]
         self.seen.append((self.item, self.checkpointer.due, names))
         self.clock.now = self.times.get(self.item, self.clock.now)
         self.item += 1
+
+
+class ClockedModule(StreamingPolicyModule):
+    """Moves the Timeline as each stream item arrives inside a Trainer batch."""
+
+    timeline: Timeline | None = None
+
+    def ingest(self, item) -> None:
+        if self.timeline is not None:
+            self.timeline.before_item()
+        super().ingest(item)
 
 
 def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_path):
@@ -82,8 +107,8 @@ def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_pa
     return optimizer
 
 
-def new_module(make_policy) -> StreamingPolicyModule:
-    return StreamingPolicyModule(make_policy(), optimizer=OptimizerSettings(lr=1e-3))
+def new_module(make_policy, module_class=StreamingPolicyModule) -> StreamingPolicyModule:
+    return module_class(make_policy(), optimizer=OptimizerSettings(lr=1e-3))
 
 
 @pytest.mark.parametrize("host", HOSTS)
@@ -97,18 +122,29 @@ def test_due_after_interval_over_devices_written_at_the_next_batch_closed(make_p
     # Update 0 ends at 1799 s of wall clock (3598 GPU-s: not due); update 1's first source arrives at 1800 s.
     timeline = Timeline(clock, {first_update_items - 1: 1799.0, first_update_items + 1: 1800.0}, checkpointer)
     publisher = WeightPublisher(FakeEngine())
-    module = new_module(make_policy)
+    module = new_module(make_policy, ClockedModule)
+    module.timeline = timeline if host == "trainer" else None
     optimizer = run_updates(host, module, batches, [timeline, publisher, checkpointer], tmp_path)
 
     due = [(item, names) for item, is_due, names in timeline.seen if is_due]
     assert due[0] == (first_update_items + 2, [])  # requested mid-update 1, nothing written before its BatchClosed
     assert all(names == [] for _, names in due)  # ... through the last item of update 1
-    assert [p.name for p in checkpoint_dirs(checkpointer.dirpath)] == ["update-1"]  # save_last: update 1 has one
     assert not checkpointer.due and checkpointer.checkpoints_written == 1
-
-    meta = read_meta(checkpointer.dirpath / "update-1")
-    assert set(meta) == META_FIELDS
     sources = [item for batch in batches for item in batch.items if isinstance(item, TrajectorySource)]
+    if host == "trainer":  # Lightning's own file, through trainer.save_checkpoint; the meta record rides inside
+        (written,) = checkpoint_files(checkpointer.dirpath)  # save_last: update 1 has one
+        assert written.endswith("/update-1.ckpt") and checkpointer.last_checkpoint_path == written
+        checkpoint = torch.load(written, weights_only=False)
+        meta = checkpoint[TRAINER_META_KEY]
+        assert checkpoint["global_step"] == 2 and checkpoint["streaming_policy_module"]["policy_version"] == 2
+        assert checkpoint["callbacks"][publisher.state_key] == {"published_version": 2, "publications": 2}
+        saved = checkpoint["state_dict"]
+        assert all(torch.equal(saved[n], p) for n, p in module.state_dict().items())
+        assert list(tmp_path.rglob("epoch=0-step=2.ckpt")), "the default ModelCheckpoint still writes"
+    else:
+        assert [p.name for p in checkpoint_dirs(checkpointer.dirpath)] == ["update-1"]  # save_last: update 1 has one
+        meta = read_meta(checkpointer.dirpath / "update-1")
+    assert set(meta) == META_FIELDS
     assert meta["update"] == 1 and meta["next_update"] == 2 and meta["policy_version"] == 2
     assert meta["seed"] == 7 and meta["config"] == {"seed": 7, "updates": 2}
     assert meta["gpu_clock_s"] == 3600.0 and meta["devices"] == 2
@@ -117,6 +153,8 @@ def test_due_after_interval_over_devices_written_at_the_next_batch_closed(make_p
     assert meta["policy_hash"] == policy_hash(module.policy)
     assert meta["publication_s"] == module.update_timings["publication_s"]
     assert meta["written_at"] >= meta["published_at"] > 1.7e9  # Unix seconds
+    if host == "trainer":
+        return
 
     restored = new_module(make_policy)
     restored_optimizer = restored.configure_optimizers()
@@ -157,7 +195,7 @@ def test_a_failed_write_leaves_no_directory_and_stays_due(make_policy, vocab_siz
     real_save, calls = torch.save, []
 
     def save_then_fail(obj, file, *args, **kwargs):
-        calls.append(file.name)
+        calls.append(getattr(file, "name", "a buffer"))  # the state goes through CheckpointIO via a buffer
         assert any(p.name == ".tmp-update-0" for p in (tmp_path / "ckpt").iterdir())
         if len(calls) == 2:  # the RNG file is written; the model state fails half-way through the directory
             raise OSError("No space left on device")

@@ -14,6 +14,7 @@ from harness import MemoryLogger, fit, grpo_batch, run_with_fabric_calls
 from tslightning.callbacks import MFUMonitor
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
+from tslightning.learner.update_log import write_update_row
 from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.measure.learner_flops import DecoderShape, learner_flops
 
@@ -54,6 +55,7 @@ def test_exact_mfu_and_breakdown_of_a_synthetic_update(make_policy, vocab_size, 
     if rollout_wait_s is not None:
         module.update_timings["rollout_wait_s"] = rollout_wait_s
     _at(monkeypatch, 112.5, monitor.on_train_batch_end, fabric, module, None, BatchClosed(0), len(batch.items))
+    write_update_row(fabric)  # what the Fabric loop does after the update's on_train_batch_end
 
     (measurement,) = monitor.history
     flops, tokens = expected_flops(module, batch), batch_tokens(batch)
