@@ -150,3 +150,68 @@ def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publicat
             module.update_timings["publication_s"] = publication_s
         fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
     write_update_row(fabric)
+
+
+class PlainModule(L.LightningModule):
+    """A plain LightningModule as another project writes one: automatic optimization, ``self.log``, none of the
+    streaming module's attributes. Least squares of one linear layer; SGD(lr=0.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.layer(x) - y) ** 2).mean()
+        self.log("train/loss", loss, batch_size=len(x))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def plain_batches(count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(size, 4, generator=generator, dtype=torch.float64) * 10, torch.randn(size, 1, dtype=torch.float64))
+        for _ in range(count)
+    ]
+
+
+def fit_plain(module: L.LightningModule, batches, callbacks, tmp_path: Path, **trainer_args) -> L.Trainer:
+    """A plain CPU Trainer over ``batches`` (one optimizer step per batch unless accumulating), a row every step."""
+    settings = dict(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+    )
+    trainer = L.Trainer(**(settings | trainer_args))
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
+    return trainer
+
+
+def fabric_plain_loop(module: L.LightningModule, batches, callbacks, loggers=()) -> L.Fabric:
+    """The documented plain Fabric loop: the train and batch hooks by keyword, ``on_before_optimizer_step`` before
+    each ``optimizer.step()``, and the update's row written after ``on_train_batch_end``."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=list(loggers))
+    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
+    fabric.call("on_train_start", trainer=fabric, pl_module=wrapped)
+    for index, batch in enumerate(batches):
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=wrapped, batch=batch, batch_idx=index)
+        x, y = batch
+        loss = ((wrapped.layer(x) - y) ** 2).mean()
+        fabric.backward(loss)
+        fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=wrapped, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.call("on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=loss, batch=batch, batch_idx=index)
+        write_update_row(fabric)
+    fabric.call("on_train_end", trainer=fabric, pl_module=wrapped)
+    return fabric

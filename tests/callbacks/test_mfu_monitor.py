@@ -14,8 +14,8 @@ from harness import MemoryLogger, fit, grpo_batch, run_with_fabric_calls
 from tslightning.callbacks import MFUMonitor
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
-from tslightning.learner.update_log import write_update_row
 from tslightning.learner.streaming_module import StreamingPolicyModule
+from tslightning.learner.update_log import write_update_row
 from tslightning.measure.learner_flops import DecoderShape, learner_flops
 
 PEAK = 1e12  # FLOP/s per device (a CPU has no entry in Lightning's table); above what the tiny updates reach

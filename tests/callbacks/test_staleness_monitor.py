@@ -11,8 +11,8 @@ from harness import SMALL, MemoryLogger, fit, grpo_batch, grpo_batches
 from tslightning.callbacks import StalenessMonitor
 from tslightning.callbacks.staleness_monitor import policy_lags
 from tslightning.core.sources import BatchClosed, PolicyVersionError
-from tslightning.learner.update_log import write_update_row
 from tslightning.learner.streaming_module import StreamingPolicyModule
+from tslightning.learner.update_log import write_update_row
 
 SOURCES = SMALL.num_groups * SMALL.group_size
 

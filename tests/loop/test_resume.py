@@ -3,18 +3,20 @@ uninterrupted run's and nothing is double-counted (trajectories, scored tokens, 
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 import torch
 
-import tslightning.loop.fit as fit_module
 from tslightning.callbacks import read_trace
 from tslightning.callbacks.checkpoint_state import read_meta
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings
 from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
+
+fit_module = importlib.import_module("tslightning.loop.fit")  # the package re-exports the function as `fit`
 
 KILLED_AT = 2
 EVERY_UPDATE = CheckpointSettings(interval_s=1e-9)  # any positive GPU-clock is past the interval
@@ -43,7 +45,7 @@ def run(out: Path, **overrides):
 
 
 def killed_during(update: int, original):
-    """``_one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
+    """``one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
 
     def one_update(fabric, module, optimizer, stream, index: int) -> None:
         if index != update:
@@ -73,7 +75,7 @@ def test_kill_resume_finish_equals_an_uninterrupted_run(tmp_path, monkeypatch):
 
     interrupted = tmp_path / "interrupted"
     with monkeypatch.context() as patch:
-        patch.setattr(fit_module, "_one_update", killed_during(KILLED_AT, fit_module._one_update))
+        patch.setattr(fit_module, "one_update", killed_during(KILLED_AT, fit_module.one_update))
         with pytest.raises(Killed):
             run(interrupted, checkpoint=EVERY_UPDATE)
     checkpoints = interrupted / "checkpoints"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tslightning.callbacks.update_callback import UpdateCallback
+from tslightning.callbacks.update_callback import UpdateCallback, module_name
 from tslightning.core.batch_registry import BatchRegistry
 from tslightning.core.sources import PolicyVersionError, SourceError
 
@@ -54,7 +54,7 @@ class BatchBarrier(UpdateCallback):
         has_log = getattr(pl_module, "service_log", None) is not None
         if not has_registry and not (has_log and self.zero_staleness):
             raise ValueError(
-                f"BatchBarrier has nothing to check on {type(pl_module).__name__}: give the module a `registry` "
+                f"BatchBarrier has nothing to check on {module_name(pl_module)}: give the module a `registry` "
                 "(the BatchRegistry of the open logical batch, for completeness)"
                 + (
                     " or a `service_log` (each source's policy_version, for zero staleness)"

@@ -155,7 +155,7 @@ class GPUClockCheckpoint(UpdateCallback):
         """
         callbacks = callbacks_of(trainer)
         later = callbacks[callbacks.index(self) + 1 :] if self in callbacks else []
-        unsaved = [cb for cb in later if _keeps_batch_state(cb)]
+        unsaved = [cb for cb in later if _keeps_batch_state(cb) and not isinstance(cb, GPUClockCheckpoint)]
         if unsaved:
             raise ValueError(
                 f"GPUClockCheckpoint comes before {type(unsaved[0]).__name__}, whose state changes at the end of every "

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype, get_available_flops
 
-from tslightning.callbacks.update_callback import UpdateCallback, sum_over_ranks
+from tslightning.callbacks.update_callback import UpdateCallback, module_name, sum_over_ranks
 from tslightning.learner.update_log import log_update_metrics
 from tslightning.measure.learner_flops import DecoderShape, WeightTraining, learner_flops
 
@@ -221,7 +221,7 @@ class MFUMonitor(UpdateCallback):
             shape, training = self._architecture_of(module)
             return float(sum(learner_flops(shape, record.tokens, training) for record in records))
         self.warn_once(
-            f"no FLOP count for {type(module).__name__}: pass MFUMonitor(flops_fn=...) or give the module a "
+            f"no FLOP count for {module_name(module)}: pass MFUMonitor(flops_fn=...) or give the module a "
             "`flops_per_batch` (as for Lightning's ThroughputMonitor); logging step times without MFU"
         )
         return None

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tslightning.callbacks.update_callback import UpdateCallback
+from tslightning.callbacks.update_callback import UpdateCallback, module_name
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import BatchClosed
 from tslightning.measure.trace_file import trace_file_name
@@ -72,7 +72,7 @@ class ReleaseTraceRecorder(UpdateCallback):
     def check_host(self, trainer: Any, pl_module: Any) -> None:
         if getattr(pl_module, "service_log", None) is None:
             self.warn_once(
-                f"{type(pl_module).__name__} has no `service_log`: the trace gets update records only (no per-source "
+                f"{module_name(pl_module)} has no `service_log`: the trace gets update records only (no per-source "
                 "ready and service times for the replay)"
             )
 

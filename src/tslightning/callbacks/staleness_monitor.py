@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from tslightning.callbacks.update_callback import UpdateCallback
+from tslightning.callbacks.update_callback import UpdateCallback, module_name
 from tslightning.core.sources import PolicyVersionError
 from tslightning.learner.update_log import log_update_metrics
 from tslightning.learner.update_result import ServiceRecord
@@ -53,7 +53,7 @@ class StalenessMonitor(UpdateCallback):
         if getattr(pl_module, "service_log", None) is None:
             raise ValueError(
                 f"StalenessMonitor needs the policy version that sampled each source of an update: give "
-                f"{type(pl_module).__name__} a `service_log` (records with policy_version, e.g. "
+                f"{module_name(pl_module)} a `service_log` (records with policy_version, e.g. "
                 "tslightning.ServiceRecord), or remove the callback"
             )
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.wrappers import _unwrap_objects
 
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import BatchClosed, GroupClosed, TrajectoryClosed, TrajectorySource, TurnSource
@@ -80,6 +81,11 @@ def held_version(trainer: Any, module: Any) -> int | None:
     if isinstance(trainer, L.Trainer):
         return trainer.global_step
     return None
+
+
+def module_name(module: Any) -> str:
+    """The class name of ``module`` (of the LightningModule inside Fabric's wrapper), for messages."""
+    return type(_unwrap_objects(module)).__name__
 
 
 def callbacks_of(trainer: Any) -> list[Any]:
@@ -206,12 +212,12 @@ class UpdateCallback(L.Callback):
         if self._checked is trainer:
             return
         self._checked = trainer
+        self.check_host(trainer, pl_module)
         callbacks = callbacks_of(trainer)
         if self in callbacks:
             _check_unique_key(self, callbacks)
             if self.reads_publication:
                 _check_after_publishers(self, callbacks)
-        self.check_host(trainer, pl_module)
 
 
 def _check_unique_key(callback: L.Callback, callbacks: list[Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.callbacks.update_callback import Publication, UpdateCallback, sum_over_ranks
+from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name, sum_over_ranks
 from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
 from tslightning.learner.update_log import log_update_metrics
@@ -75,7 +75,7 @@ class WeightPublisher(UpdateCallback):
     def check_host(self, trainer: Any, pl_module: Any) -> None:
         if self.policy is None and not isinstance(getattr(pl_module, "policy", None), torch.nn.Module):
             raise ValueError(
-                f"WeightPublisher needs the model the rollout engine serves: {type(pl_module).__name__} has no "
+                f"WeightPublisher needs the model the rollout engine serves: {module_name(pl_module)} has no "
                 "`policy` module; give it one or pass WeightPublisher(engine, policy=lambda module: module.model)"
             )
 
