@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from tslightning.core.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.core.sources import BatchClosed
@@ -81,14 +81,17 @@ def fit(
     *,
     logger: Logger | bool = False,
     enable_checkpointing: bool | None = False,
-    max_epochs: int = 1,
+    max_steps: int = -1,
     ckpt_path: str | None = None,
 ) -> L.Trainer:
-    """Each batch as one update: one epoch of a CPU Trainer over the updates, one update (its stream items) per Trainer
-    batch, a row logged every update. ``enable_checkpointing=None`` is Lightning's default (it adds a
+    """Each batch as one update: a CPU Trainer over the updates, one update (its stream items) per Trainer batch,
+    a row logged every update. The stream starts at the module's policy version, so a run resumed with ``ckpt_path``
+    continues where its checkpoint left off (give ``max_steps``: a checkpoint written at the end of training also
+    ends its epoch). ``enable_checkpointing=None`` is Lightning's default (it adds a
     ModelCheckpoint). Returns the Trainer."""
     trainer = L.Trainer(
-        max_epochs=max_epochs,
+        max_epochs=1 if max_steps == -1 else -1,  # a step budget counts updates, across epochs
+        max_steps=max_steps,
         accelerator="cpu",
         devices=1,
         callbacks=callbacks,
@@ -99,9 +102,20 @@ def fit(
         log_every_n_steps=1,
         default_root_dir=tmp_path,
     )
-    updates = [list(batch.stream()) for batch in batches]
-    trainer.fit(module, train_dataloaders=DataLoader(updates, batch_size=None, collate_fn=_as_is), ckpt_path=ckpt_path)
+    loader = DataLoader(_Updates(module, batches), batch_size=None, collate_fn=_as_is)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return trainer
+
+
+class _Updates(IterableDataset):
+    """The updates from the module's current policy version on, each as the list of its stream items."""
+
+    def __init__(self, module, batches: list[ReplayBatch]) -> None:
+        self.module, self.batches = module, batches
+
+    def __iter__(self):
+        for batch in self.batches[self.module.policy_version :]:
+            yield list(batch.stream())
 
 
 def _as_is(update: list) -> list:

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import GPUClockCheckpoint, WeightPublisher
 from tslightning.callbacks.checkpoint_state import (
+    CheckpointError,
     checkpoint_dirs,
     checkpoint_files,
     policy_hash,
@@ -296,3 +297,64 @@ def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_pat
     trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))
     with pytest.raises(ValueError, match="CPUDeepSpeedStrategy partitions them across ranks"):
         callback.on_train_start(trainer, None)
+
+
+def test_trainer_resumes_from_an_update_checkpoint_with_ckpt_path(make_policy, vocab_size, tmp_path):
+    """trainer.fit(ckpt_path=<update-k>.ckpt) restores θ, AdamW, the policy version, global step and the callbacks'
+    states (the GPU-clock continues); the resumed run's next update equals the uninterrupted run's."""
+    batches = grpo_batches(vocab_size, 3)
+    straight = new_module(make_policy)
+    fit(
+        straight,
+        batches,
+        [WeightPublisher(FakeEngine()), GPUClockCheckpoint(tmp_path / "a", clock=FakeClock())],
+        tmp_path,
+    )
+
+    clock = FakeClock()
+    first = GPUClockCheckpoint(tmp_path / "b", interval_s=10.0, clock=clock, keep_last=1)
+    first.request()
+    fit(new_module(make_policy), batches, [WeightPublisher(FakeEngine()), first], tmp_path, max_steps=2)
+    (written,) = checkpoint_files(tmp_path / "b")  # update-0 (requested) was pruned after update-1 (save_last)
+    assert written.endswith("update-1.ckpt") and first.checkpoints_written == 2
+
+    clock.now = 5.0
+    engine, resumed_checkpointer, module = (
+        FakeEngine(),
+        GPUClockCheckpoint(tmp_path / "b", clock=clock),
+        new_module(make_policy),
+    )
+    callbacks = [WeightPublisher(engine), resumed_checkpointer]
+    trainer = fit(module, batches, callbacks, tmp_path, max_steps=3, ckpt_path=written)
+    assert trainer.global_step == 3 and module.policy_version == 3 and module.num_optimizer_steps == 3
+    assert [version for version, _ in engine.published] == [2, 3]  # restored θ_2 first, then update 2's θ_3
+    assert resumed_checkpointer.checkpoints_written == 3 and resumed_checkpointer.trajectories_seen == 3 * 6
+    assert torch.equal(module.layout.values(), straight.layout.values())
+
+
+def test_trainer_writes_through_checkpoint_io_to_an_fsspec_path(make_policy, vocab_size, tmp_path):
+    checkpointer = GPUClockCheckpoint("memory://gpu-clock/run", clock=FakeClock(), keep_last=2)
+    checkpointer.request()
+    fit(new_module(make_policy), grpo_batches(vocab_size, 3), [checkpointer], tmp_path)
+    written = checkpoint_files("memory://gpu-clock/run")  # fsspec's in-memory filesystem
+    assert written == ["memory://gpu-clock/run/update-0.ckpt", "memory://gpu-clock/run/update-2.ckpt"]  # request, last
+    with pytest.raises(ValueError, match="is a URL; a Fabric loop writes a local path"):
+        run_updates("fabric", new_module(make_policy), grpo_batches(vocab_size, 1), [checkpointer], tmp_path)
+
+
+def test_a_corrupt_state_file_names_the_file(make_policy, vocab_size, tmp_path):
+    run_updates(
+        "fabric", new_module(make_policy), grpo_batches(vocab_size, 1), [GPUClockCheckpoint(tmp_path)], tmp_path
+    )
+    state = tmp_path / "update-0" / "state.pt"
+    data = state.read_bytes()
+    for damaged in (data[: len(data) // 2], b"", b"not a checkpoint"):
+        state.write_bytes(damaged)
+        with pytest.raises(
+            CheckpointError, match=rf"resume: cannot read {state} \(.*\); the file is truncated or corrupt"
+        ) as info:
+            restore_checkpoint(tmp_path / "update-0", new_module(make_policy), [torch.optim.SGD([torch.zeros(1)], 0.1)])
+        assert "\n" not in str(info.value)
+    torch.save({"state_dict": {}}, state)
+    with pytest.raises(CheckpointError, match=rf"{state} lacks optimizer_states, callbacks, policy_version"):
+        restore_checkpoint(tmp_path / "update-0", new_module(make_policy), [])
