@@ -67,7 +67,8 @@ def log_update_metrics(
     if isinstance(trainer, L.Fabric):
         row = _ROWS.setdefault(trainer, _Row())
         if row.step is not None and row.step != step:
-            write_update_row(trainer)
+            write_update_row(trainer)  # the previous update's row; this update starts a new one
+            row = _ROWS[trainer]
         row.step = step
         row.metrics.update(values)
         return
