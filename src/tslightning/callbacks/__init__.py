@@ -9,7 +9,7 @@ Layer: above the learner and rollout. May import ``learner``, ``rollout`` (the e
 """
 
 from tslightning.callbacks.batch_barrier import BatchBarrier
-from tslightning.callbacks.checkpoint_state import CheckpointError
+from tslightning.callbacks.checkpoint_state import CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import GPUClockCheckpoint
 from tslightning.callbacks.gradient_clipping import GradientClipping
 from tslightning.callbacks.mfu_monitor import MFUMonitor, UpdateMeasurement
@@ -34,5 +34,6 @@ __all__ = [
     "WeightPublisher",
     "log_update_metrics",
     "read_trace",
+    "restore_checkpoint",
     "write_update_row",
 ]

@@ -220,9 +220,10 @@ def restore_checkpoint(
         optimizer.load_state_dict(optimizer_state)
     module.policy_version = state["policy_version"]
     module.num_optimizer_steps = state["num_optimizer_steps"]
-    for callback in callbacks:
-        if callback.state_key in state["callbacks"]:
-            callback.load_state_dict(state["callbacks"][callback.state_key])
+    for callback in callbacks:  # (Fabric's callback list also holds the set-up LightningModule: no state_key)
+        key = getattr(callback, "state_key", None)
+        if isinstance(key, str) and key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][key])
     rng = path / rng_file(rank)
     rng = rng if rng.is_file() else path / rng_file(0)
     set_rng_states(_load(rng, lambda file: torch.load(file, weights_only=True)))
