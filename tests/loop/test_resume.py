@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tslightning.callbacks import read_trace
-from tslightning.callbacks.checkpoint_state import read_meta
+from tslightning.callbacks.checkpoint_state import CheckpointError, read_meta
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings
@@ -110,3 +110,23 @@ def test_schedules_that_sample_ahead_refuse_to_resume_before_any_work(tmp_path, 
 def test_resume_from_a_directory_that_is_no_checkpoint_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no state.pt; give an update-<k> checkpoint directory"):
         fit(out_dir=str(tmp_path / "run"), resume=str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "meta"])
+def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, damage):
+    checkpoint = tmp_path / "checkpoints" / "update-1"
+    checkpoint.mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.ones(1000)}}, checkpoint / "state.pt")
+    (checkpoint / "meta.json").write_text('{"policy_hash": "sha256:0"}')
+    state = (checkpoint / "state.pt").read_bytes()
+    if damage == "truncated":
+        (checkpoint / "state.pt").write_bytes(state[: len(state) // 2])
+    elif damage == "garbage":
+        (checkpoint / "state.pt").write_bytes(b"\x80\x04not a checkpoint at all")
+    else:
+        (checkpoint / "meta.json").write_text('{"policy_hash": ')
+    broken = checkpoint / ("meta.json" if damage == "meta" else "state.pt")
+    with pytest.raises(CheckpointError, match=f"resume: (cannot read )?{broken}") as info:
+        fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), progress=False)
+    assert "\n" not in str(info.value) and "update-<k>" in str(info.value)
+    assert not (tmp_path / "run").exists()
