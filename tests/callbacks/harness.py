@@ -211,9 +211,10 @@ def fit_plain(module: L.LightningModule, batches, callbacks, tmp_path: Path, **t
     return trainer
 
 
-def fabric_plain_loop(module: L.LightningModule, batches, callbacks, loggers=()) -> L.Fabric:
+def fabric_plain_loop(module: L.LightningModule, batches, callbacks, loggers=(), before_step: bool = True) -> L.Fabric:
     """The documented plain Fabric loop: the train and batch hooks by keyword, ``on_before_optimizer_step`` before
-    each ``optimizer.step()``, and the update's row written after ``on_train_batch_end``."""
+    each ``optimizer.step()`` (unless ``before_step=False``: a loop that forgot it), and the update's row written
+    after ``on_train_batch_end``."""
     fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=list(loggers))
     wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
     fabric.call("on_train_start", trainer=fabric, pl_module=wrapped)
@@ -222,7 +223,8 @@ def fabric_plain_loop(module: L.LightningModule, batches, callbacks, loggers=())
         x, y = batch
         loss = ((wrapped.layer(x) - y) ** 2).mean()
         fabric.backward(loss)
-        fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=wrapped, optimizer=optimizer)
+        if before_step:
+            fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=wrapped, optimizer=optimizer)
         optimizer.step()
         optimizer.zero_grad()
         fabric.call("on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=loss, batch=batch, batch_idx=index)

@@ -247,3 +247,13 @@ def test_several_instances_need_distinct_state_keys(tmp_path):
         fabric_plain_loop(PlainModule(), plain_batches(1), [*publishers, *named, *monitors, *checkpoints])
     assert all(p.publications == 1 for p in publishers) and all(c.checkpoints_written == 1 for c in checkpoints)
     assert not math.isnan(monitors[0].history[0].step_s)
+
+
+def test_a_fabric_loop_without_on_before_optimizer_step_still_ends_updates_or_is_told(tmp_path):
+    """The optimizer's step hook ends each update; a callback that acts before the step refuses to be skipped."""
+    staleness = StalenessMonitor()
+    fabric_plain_loop(SampledModule(), plain_batches(3), [staleness], before_step=False)
+    assert staleness.updates == 3
+    for callback in (GradientClipping(), BatchBarrier()):
+        with pytest.raises(ValueError, match=r"stepped without on_before_optimizer_step.*fabric.call\(\"on_before_opt"):
+            fabric_plain_loop(SampledModule(), plain_batches(1), [callback], before_step=False)

@@ -40,6 +40,8 @@ class BatchBarrier(UpdateCallback):
             lag :class:`~tslightning.callbacks.StalenessMonitor` bounds instead.
     """
 
+    acts_before_step = True
+
     def __init__(self, zero_staleness: bool = True) -> None:
         super().__init__()
         self.zero_staleness = zero_staleness

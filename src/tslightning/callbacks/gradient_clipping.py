@@ -41,6 +41,8 @@ class GradientClipping(UpdateCallback):
         norm_type: Order of the norm (``2.0``; ``math.inf`` for the max norm).
     """
 
+    acts_before_step = True
+
     def __init__(self, max_norm: float = 1.0, norm_type: float = 2.0) -> None:
         super().__init__()
         problems = []

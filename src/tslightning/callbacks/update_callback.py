@@ -18,7 +18,9 @@ set-up LightningModule is a callback too): ``fabric.call("on_train_start", train
 per batch ``"on_train_batch_start"`` (``batch=..., batch_idx=...``); ``"on_before_optimizer_step"`` (``optimizer=``)
 right before ``optimizer.step()`` — Fabric never fires it, and it is where clipping and the barrier checks act; then
 ``"on_train_batch_end"`` (``outputs=, batch=, batch_idx=``); finally ``"on_train_end"``. The streaming module's
-``training_step`` and ``barrier(optimizer, before_step=...)`` fire ``on_before_optimizer_step`` for you.
+``training_step`` and ``barrier(optimizer, before_step=...)`` fire ``on_before_optimizer_step`` for you. Under Fabric
+the callbacks also watch the module's optimizers (a step-post hook), so a loop that forgets
+``on_before_optimizer_step`` still ends its updates — but BatchBarrier and GradientClipping, which act there, raise.
 
 What a module may provide — every attribute optional; a callback that needs a missing one raises (or, where it can
 still do part of its job, warns once) naming it, at the first hook:
@@ -115,11 +117,15 @@ class UpdateCallback(L.Callback):
     reads_publication = False
     """Reads :meth:`publication`: must come after every WeightPublisher."""
     publishes = False
+    acts_before_step = False
+    """Acts in ``on_before_optimizer_step``: an optimizer step without that hook is an error, not a silent no-op."""
 
     def __init__(self) -> None:
         self.updates_seen = 0
         self._open = False
-        self._stepped = False
+        self._announced = False  # on_before_optimizer_step fired in the open update
+        self._optimizer_stepped = False  # an optimizer of the module stepped in the open update (Fabric)
+        self._step_hooks: list[Any] = []
         self._checked: Any = None
         self.last_update_index: int | None = None
         """k of the last update this callback saw end."""
@@ -146,26 +152,36 @@ class UpdateCallback(L.Callback):
         # One stream item per batch: the BatchPlan opens the update; otherwise the first batch after the last step.
         opens = isinstance(batch, BatchPlan) if isinstance(batch, _STREAM_ITEMS) else not self._open
         if opens:
-            self._open, self._stepped = True, False
+            self._open, self._announced, self._optimizer_stepped = True, False, False
             self.on_update_start(trainer, pl_module, batch)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer) -> None:
         self._check_once(trainer, pl_module)
-        self._stepped = True
+        self._announced = True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._check_once(trainer, pl_module)
-        closes = isinstance(batch, BatchClosed) if isinstance(batch, _STREAM_ITEMS) else self._open and self._stepped
+        stepped = self._announced or self._optimizer_stepped
+        closes = isinstance(batch, BatchClosed) if isinstance(batch, _STREAM_ITEMS) else self._open and stepped
         if not closes:
             return
+        if self.acts_before_step and self._optimizer_stepped and not self._announced:
+            raise ValueError(
+                f"{type(self).__name__}: the optimizer stepped without on_before_optimizer_step, where this callback "
+                'acts; a Fabric loop calls fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=module, '
+                "optimizer=optimizer) right before optimizer.step()"
+            )
         k = self._closed_index(trainer, pl_module, batch)
-        self._open = self._stepped = False
+        self._open = self._announced = self._optimizer_stepped = False
         self.updates_seen += 1
         self.last_update_index = k
         self.on_update_end(trainer, pl_module, k, batch)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         write_update_row(trainer)  # the last update's row, if the loop did not write it
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
 
     # ----------------------------------------------------------------- for subclasses
     def current_index(self, trainer: Any, pl_module: Any) -> int:
@@ -192,13 +208,6 @@ class UpdateCallback(L.Callback):
             warned.add(message)
             warnings.warn(f"{type(self).__name__}: {message}", stacklevel=3)
 
-    def tracker_state(self) -> dict[str, Any]:
-        return {"updates_seen": self.updates_seen, "last_update_index": self.last_update_index}
-
-    def load_tracker_state(self, state: dict[str, Any]) -> None:
-        self.updates_seen = state.get("updates_seen", 0)
-        self.last_update_index = state.get("last_update_index")
-
     # ----------------------------------------------------------------- internals
     def _closed_index(self, trainer: Any, pl_module: Any, batch: Any) -> int:
         version = held_version(trainer, pl_module)
@@ -208,16 +217,39 @@ class UpdateCallback(L.Callback):
             return batch.policy_version
         return self.updates_seen
 
+    def _watch_optimizers(self, trainer: Any, pl_module: Any) -> None:
+        """Fabric fires no hook itself: an optimizer step-post hook tells when an update stepped even if the loop
+        forgot ``on_before_optimizer_step`` (a Trainer always fires it)."""
+        if isinstance(trainer, L.Trainer):
+            return
+        for optimizer in _module_optimizers(pl_module):
+            self._step_hooks.append(optimizer.register_step_post_hook(self._on_optimizer_step))
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_stepped = True
+
     def _check_once(self, trainer: Any, pl_module: Any) -> None:
         if self._checked is trainer:
             return
         self._checked = trainer
         self.check_host(trainer, pl_module)
+        self._watch_optimizers(trainer, pl_module)
         callbacks = callbacks_of(trainer)
         if self in callbacks:
             _check_unique_key(self, callbacks)
             if self.reads_publication:
                 _check_after_publishers(self, callbacks)
+
+
+def _module_optimizers(pl_module: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers a Fabric-set-up LightningModule steps (none when it has no host yet)."""
+    try:
+        optimizers = pl_module.optimizers()
+    except (AttributeError, RuntimeError):
+        return []
+    optimizers = list(optimizers) if isinstance(optimizers, list | tuple) else [optimizers]
+    raw = [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
+    return [optimizer for optimizer in raw if isinstance(optimizer, torch.optim.Optimizer)]
 
 
 def _check_unique_key(callback: L.Callback, callbacks: list[Any]) -> None:
