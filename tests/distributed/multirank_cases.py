@@ -1,7 +1,7 @@
 """Several learner ranks through Fabric: the cases ``test_multirank.py`` launches as one script per strategy.
 
-Run as ``python tests/distributed/multirank_cases.py OUT STRATEGY CASE...`` (Fabric's launcher re-runs this command line for
-rank 1). Every rank replays the same synthetic logical batches, streams only the sources
+Run as ``python tests/distributed/multirank_cases.py OUT STRATEGY CASE...`` (Fabric's launcher re-runs this command
+line for rank 1). Every rank replays the same synthetic logical batches, streams only the sources
 :mod:`tslightning.distributed.rank_assignment` gives it, takes the barrier and saves, per update, the batch direction
 and its parameters to ``OUT/<case>/rank<r>.pt``. :func:`run_case` with ``fabric=None`` is the single-process reference
 the test computes in its own process.

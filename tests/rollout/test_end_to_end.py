@@ -33,7 +33,9 @@ WRONG_COMMANDS = {  # plausible near-misses, demonstrated beside the reference s
     "dedupe-lines": "sort -u emails.txt -o emails.txt",
     "sed-replace-text": "sed -i 's/staging/prod/' config.ini",
 }
-LIMITS = AgentLimits(max_turns=3, max_tokens_per_turn=96, max_tokens_per_trajectory=256)
+LIMITS = AgentLimits(  # the context limit matches the vLLM engine's max_model_len below
+    max_turns=3, max_tokens_per_turn=96, max_tokens_per_trajectory=256, max_prompt_tokens=512, max_context_tokens=1024
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def warm_policy_dir(tmp_path_factory):
         )
         for t in tasks
     ]
-    supervised_warm_start(model, loop, demos, steps=300, seed=0)
+    supervised_warm_start(model, loop, demos, steps=600, seed=0)  # 300 left it underfit on AVX2 CPUs
     model.save_pretrained(path)
     return path
 

@@ -16,7 +16,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name, sum_over_ranks
+from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name
+from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
 from tslightning.learner.update_log import log_update_metrics
@@ -37,7 +38,8 @@ class WeightPublisher(UpdateCallback):
     started at version 0) is first sent the module's current weights at that version.
 
     Args:
-        engine: The rollout engine; its ``publish`` returns after every replica acknowledged.
+        engine: The rollout engine; its ``publish`` returns after every replica acknowledged. ``None``: set
+            :attr:`engine` before the first update (e.g. once each rank started its engine after ``fabric.launch()``).
         timeout_s: Seconds to wait for the acknowledgement before failing; ``None`` waits as long as the engine does.
         every_rank: Each learner rank has its own engine (it rolls out its own groups) and publishes to it.
         policy: Returns the model the engine serves, given the LightningModule; ``None`` reads the module's
@@ -49,7 +51,7 @@ class WeightPublisher(UpdateCallback):
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutEngine | None = None,
         timeout_s: float | None = None,
         every_rank: bool = False,
         policy: Callable[[Any], torch.nn.Module] | None = None,
@@ -82,6 +84,7 @@ class WeightPublisher(UpdateCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """A resumed run: have the engine serve the restored θ_k at version k before update k samples anything."""
         super().on_train_start(trainer, pl_module)
+        self._require_engine()
         version = self.current_index(trainer, pl_module)
         if self._engines_serve_another(trainer, version):
             weights = _full_weights(self._policy_of(pl_module))
@@ -95,6 +98,7 @@ class WeightPublisher(UpdateCallback):
             RolloutEngineError: If a replica did not acknowledge (in ``timeout_s``), or the receipt names another
                 version.
         """
+        self._require_engine()
         version = k + 1
         start = time.perf_counter()
         weights = _full_weights(self._policy_of(pl_module))  # ZeRO-3: a gather every rank enters
@@ -119,7 +123,11 @@ class WeightPublisher(UpdateCallback):
             return stale
         if not self.every_rank:
             return bool(trainer.strategy.broadcast(stale, src=0))
-        return sum_over_ranks(trainer, [float(stale)])[0] > 0
+        return float(control_all_reduce(torch.tensor([float(stale)]))[0]) > 0  # a host flag: over gloo
+
+    def _require_engine(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("WeightPublisher has no engine: pass one, or set .engine before training starts")
 
     def _policy_of(self, module: Any) -> torch.nn.Module:
         return self.policy(module) if self.policy is not None else module.policy
@@ -147,7 +155,7 @@ class WeightPublisher(UpdateCallback):
         except Exception as exc:
             error = exc
         # The all-reduce is also the sync point: no rank starts batch k+1 before every engine acknowledged θ_{k+1}.
-        (failed,) = sum_over_ranks(trainer, [float(error is not None)])
+        (failed,) = control_all_reduce(torch.tensor([float(error is not None)])).tolist()  # a host flag: over gloo
         if error is not None:
             raise error
         if failed > 0:

@@ -1,13 +1,128 @@
-"""Collectives the learner itself issues (not Fabric's): the barrier's one cross-rank sum."""
+"""The collectives tslightning issues itself, each over a group whose backend accepts its tensor.
+
+Two kinds (NCCL, the GPU backend Lightning picks, rejects host tensors):
+
+* **Control messages** — status flags, counts, publication outcomes: a few numbers on the host. They go over a gloo
+  group: the default group when its backend is gloo (CPU runs), else a gloo side group over the same ranks, made once
+  from the default group with its timeout.
+* **Data** — the batch direction: reduced on the learner's device, over the group that serves that device: the
+  default group for an accelerator (a host tensor, statistics kept in host memory, is copied to the device, reduced
+  there and copied back), the gloo group on a CPU learner.
+
+Lightning's own collectives (DDP's module sync, ``strategy.broadcast``, ``reduce_boolean_decision``) place their
+tensors on the strategy's root device themselves.
+
+A collective that fails because a rank died, hung past the timeout or closed its connection raises
+:class:`CollectiveFailure`; any other error (a wrong dtype or device, a backend that cannot take the tensor) passes
+through unchanged, so it is reported as what it is, not as a dead rank.
+"""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+_PEER_FAILURE_MARKERS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "aborted",
+    "peer",
+    "socket",
+)
+"""Lower-case fragments of the errors gloo and NCCL raise when a peer died, hung or hung up."""
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over learner ranks in place and return it (one collective); identity on a single process."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+_control_groups: dict[int, dist.ProcessGroup] = {}
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective could not complete because another rank died, hung past the group's timeout or hung up."""
+
+
+def distributed() -> bool:
+    """Several learner ranks in an initialized default process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The gloo group control messages use (``None``, the default group, on gloo; made once otherwise).
+
+    Every rank must call this at the same point the first time (any control collective does): creating a group is
+    itself collective. ``fit`` calls it right after launch.
+    """
+    if not distributed() or dist.get_backend() == dist.Backend.GLOO:
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    key = id(default)
+    if key not in _control_groups:
+        _control_groups[key] = dist.new_group(backend=dist.Backend.GLOO, timeout=group_timeout())
+    return _control_groups[key]
+
+
+def control_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a host tensor over every rank in place (over :func:`control_group`); identity on one process.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"control messages are host tensors; got one on {tensor.device}")
+    if distributed():
+        _run(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=control_group()))
     return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over every rank in place, reduced on ``device`` over the default group; identity on one process.
+
+    Args:
+        tensor: The data to reduce, on any device (host statistics included).
+        device: The learner's device, where the reduction runs (``None``: the tensor's own).
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if not distributed():
+        return tensor
+    device = tensor.device if device is None else torch.device(device)
+    group = control_group() if device.type == "cpu" else None  # None: the default group (NCCL on GPUs)
+    staged = tensor if tensor.device == device else tensor.to(device, non_blocking=tensor.is_pinned())
+    _run(lambda: dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group))
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
+
+
+def _run(collective) -> None:
+    try:
+        collective()
+    except RuntimeError as error:
+        if _peer_failed(error):
+            raise CollectiveFailure(str(error)) from error
+        raise
+
+
+def _peer_failed(error: RuntimeError) -> bool:
+    if isinstance(error, getattr(dist, "DistNetworkError", ())) or isinstance(
+        error, getattr(dist, "DistStoreError", ())
+    ):
+        return True
+    message = str(error).lower()
+    return any(marker in message for marker in _PEER_FAILURE_MARKERS)
+
+
+def group_timeout() -> timedelta | None:
+    """The default process group's collective timeout, where the backend exposes it (gloo, NCCL)."""
+    if not distributed():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None

@@ -49,6 +49,9 @@ class LearnerSettings:
     ``context_backward=recompute``)."""
     timeout_s: float = 1800.0
     """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
+    process_group_backend: str | None = None
+    """torch.distributed backend of the learner ranks' default group; ``None``: gloo on CPU, NCCL on GPUs (Fabric's
+    choice). tslightning's own control messages always travel over gloo (a side group when this is not gloo)."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -77,16 +80,17 @@ def learner_strategy(settings: LearnerSettings, accelerator: str):
 
     timeout = timedelta(seconds=settings.timeout_s)
     on_cpu = accelerator == "cpu"
+    backend = settings.process_group_backend or ("gloo" if on_cpu else None)
     if settings.strategy == "auto" and settings.world_size == 1:
         return "auto"
     if settings.strategy in ("auto", "ddp"):
-        return DDPStrategy(process_group_backend="gloo" if on_cpu else None, timeout=timeout)
+        return DDPStrategy(process_group_backend=backend, timeout=timeout)
     if settings.strategy == "fsdp":
         return ModelParallelStrategy(
             shard_policy,
             data_parallel_size=settings.world_size,
             tensor_parallel_size=1,
-            process_group_backend="gloo" if on_cpu else None,
+            process_group_backend=backend,
             timeout=timeout,
         )
     stage = 2 if settings.strategy == "deepspeed_stage_2" else 3

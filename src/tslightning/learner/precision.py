@@ -1,4 +1,9 @@
-"""Make Hugging Face models compute in the dtype they are run in, so float64 exactness tests mean float64.
+"""Learner precision: the dtypes each of Fabric's precision settings implies, and float64 norms for exactness checks.
+
+``32-true``, ``64-true``, ``bf16-true``: weights, gradients and optimizer state in that dtype. ``bf16-mixed``: bfloat16
+compute (autocast) over float32 master weights, float32 gradients and float32 AdamW state — so updates far below
+bfloat16's resolution (lr 1e-6) still land; with LoRA the frozen base is kept in bfloat16 and the trainable adapters
+in float32. The engines serve bfloat16 under both bf16 settings, and float32 under ``64-true``.
 
 ``transformers``' RMSNorm layers (Qwen2, Llama, ...) upcast to float32 inside ``forward`` and cast back, so a
 model moved to float64 still computes its norms — and their backward — in float32. Two mathematically equal
@@ -9,8 +14,45 @@ for float32 and bfloat16 the upstream behaviour is kept.
 from __future__ import annotations
 
 import types
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
 
 import torch
+
+Precision = Literal["32-true", "64-true", "bf16-mixed", "bf16-true"]
+"""Fabric's precision names the learner supports."""
+
+_WEIGHTS = {
+    "32-true": torch.float32,
+    "64-true": torch.float64,
+    "bf16-mixed": torch.float32,
+    "bf16-true": torch.bfloat16,
+}
+
+
+def weight_dtype(precision: Precision, frozen: bool = False) -> torch.dtype:
+    """The dtype of trainable weights (and their master copy), or of frozen ones (a LoRA base) under ``precision``."""
+    if frozen and precision == "bf16-mixed":
+        return torch.bfloat16  # a frozen base needs no master copy
+    return _WEIGHTS[precision]
+
+
+def pass_context(module: Any) -> AbstractContextManager:
+    """The precision context a LightningModule's own policy passes run in: the Fabric's or Trainer's it is attached
+    to (``bf16-mixed``: bfloat16 autocast), else none. Passes the module runs outside ``forward`` need it: Fabric and
+    the Trainer apply it to ``forward`` only."""
+    fabric = getattr(module, "_fabric", None)
+    if fabric is not None:
+        return fabric.autocast()
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        return trainer.precision_plugin.forward_context()
+    return nullcontext()
+
+
+def serving_dtype(precision: Precision) -> str:
+    """The dtype rollout engines serve θ_k in: the compute dtype, float32 for a float64 learner."""
+    return "bfloat16" if precision.startswith("bf16") else "float32"
 
 
 def _rms_norm_in_input_dtype(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from tslightning.core.sources import (
     TurnSource,
 )
 from tslightning.core.turn_accumulator import TurnAccumulator
-from tslightning.distributed.collectives import all_reduce_sum
+from tslightning.distributed.collectives import all_reduce_sum, control_all_reduce
 from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
@@ -57,6 +57,7 @@ from tslightning.distributed.zero_gradients import (
 )
 from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
 from tslightning.learner.group_admission import GroupAdmission
+from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
@@ -341,7 +342,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         else:
             logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
-            grads = self._fill_unused(torch.autograd.grad(score, self._leaves(), allow_unused=True))
+            grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
         self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
@@ -358,7 +359,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
-        self.turns.add(self._fill_unused(grads), source.num_scored)
+        self.turns.add(self.layout.with_zeros(grads), source.num_scored)
 
     def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
         """A closed trajectory's deferred context gradient: boundary adjoints replayed through earlier turns."""
@@ -383,7 +384,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
         objective = batch_objective(self.policy, self.objective, chunk, weights)
-        grads = self._fill_unused(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
+        grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
         if self.objective is Objective.GRPO:
             self.layout.add_(self.groups.batch, grads)
         else:
@@ -417,7 +418,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
         start = time.perf_counter()
-        work()
+        with pass_context(self):
+            work()
         release_pass_leftovers(self)  # ZeRO-3 only
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
@@ -426,10 +428,11 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     # ----------------------------------------------------------------- barrier pieces
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
         """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
+        device = self.layout.parameters[0].device  # the data backend reduces there (NCCL: never a host tensor)
         if self.objective is Objective.GRPO:
-            return all_reduce_sum(self.groups.batch.clone()), self._num_scored_tokens
-        total = all_reduce_sum(self.turns.total.clone())
-        count = int(all_reduce_sum(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
+            return all_reduce_sum(self.groups.batch.clone(), device), self._num_scored_tokens
+        total = all_reduce_sum(self.turns.total.clone(), device)
+        count = int(control_all_reduce(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
         if count == 0:
             raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
         return total / count, count
@@ -451,12 +454,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f"no logical batch is open at version {self.policy_version}; ingest a BatchPlan before its sources"
             )
         return self._registry
-
-    def _fill_unused(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
-        return [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
-            for p, shape, g in zip(self.layout.parameters, self.layout.shapes, grads, strict=True)
-        ]
 
     def _leaves(self) -> list[torch.Tensor]:
         """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""

@@ -8,6 +8,7 @@ the weight publisher installs θ_{k+1} on every rollout replica before update k+
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict
@@ -29,7 +30,10 @@ from tslightning.callbacks import (
 )
 from tslightning.core.batch_registry import Objective
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
+from tslightning.distributed.rank_failure import agreed_by_ranks
+from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.resume import check_resume, checkpointer, resume_from
 from tslightning.loop.settings import (
     PARTITIONED,
@@ -41,7 +45,8 @@ from tslightning.loop.settings import (
     setting_problems,
 )
 from tslightning.loop.startup import (
-    place_learner,
+    agent_limits,
+    launched_rank,
     prepare_policy,
     rollout_datamodule,
     start_engine,
@@ -83,6 +88,7 @@ def fit(
     accelerator: str = "cpu",
     learner: LearnerSettings = LearnerSettings(),  # noqa: B008
     progress: bool = True,
+    record_batches: bool = False,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
 
@@ -118,71 +124,103 @@ def fit(
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
             own share of every batch. Launching on several nodes: see :mod:`tslightning.distributed.learner_strategy`.
         progress: Show a progress bar.
+        record_batches: Save each rank's stream items of every update under ``<out_dir>/batches/`` for an offline
+            replay (:mod:`tslightning.loop.batch_recording`); schedules ``sync``, ``thundersync`` and ``fully_async``.
     """
     arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
     check_resume(resume, schedule)
-    problems = setting_problems(objective, schedule, context_backward, model, learner, checkpoint, resume)
+    problems = setting_problems(objective, schedule, context_backward, model, rollout, learner, checkpoint, resume)
+    if record_batches and schedule == "async":
+        problems.append(
+            "record_batches records sync, thundersync and fully_async updates; schedule async: set it false"
+        )
     if problems:
         raise ValueError("fit: " + "; ".join(problems))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(_resolved_config(arguments), indent=2, default=str))
     torch.manual_seed(seed)
-    place_learner(learner.cpus)
-
     tasks = training_tasks(rollout)
-    policy, tokenizer, policy_dir = prepare_policy(model, rollout, warm_start, tasks, seed, out)
-    engine = start_engine(rollout, policy_dir, "float32" if model.dtype == "float64" else model.dtype)
-    teacher = start_teacher(model, rollout, warm_start, tasks, seed, out) if objective == "opd" else None
-    datamodule = rollout_datamodule(rollout, engine, tokenizer, tasks, objective, teacher, seed)
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     module_clips = learner.strategy in PARTITIONED  # gradients live in ZeRO's engine or in shards
+    publisher = WeightPublisher(every_rank=learner.world_size > 1)  # its engine: this rank's, started after launch
+    recorder = ReleaseTraceRecorder(out / "trace")  # its datamodule: likewise
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=learner.devices,
         num_nodes=learner.num_nodes,
         strategy=learner_strategy(learner, accelerator),
+        precision=model.precision,
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
             *([] if module_clips else [GradientClipping(max_grad_norm)]),
-            WeightPublisher(engine, every_rank=learner.world_size > 1),  # each rank rolls out with its own engine
+            publisher,
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
-            ReleaseTraceRecorder(out / "trace", datamodule=datamodule),
+            recorder,
             *callbacks,
             *([checkpointer(checkpoint, out, seed)] if checkpoint.enabled else []),  # last: it saves the others
         ],
     )
-    fabric.launch()
-    datamodule.share_with(fabric.global_rank, fabric.world_size)
-    module = StreamingPolicyModule(
-        policy,
-        objective,
-        "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped with rollout
-        advantage,
-        max_grad_norm=max_grad_norm if module_clips else None,
-        group_admission_cap=group_admission_cap,
-        sync_micro_batch_size=sync_micro_batch_size,
-        optimizer=optimizer,
-        max_policy_lag=lag,
-        context_backward=context_backward,
-    )
-    # The loop calls the module itself, not Fabric's wrapper: per-source forwards bypass DDP's (the barrier reduces).
-    if learner.strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
-        fabric.setup_module(module)
-        fabric_optimizer = fabric.setup_optimizers(module.configure_optimizers())
-    else:
-        _, fabric_optimizer = fabric.setup(module, module.configure_optimizers())
-    try:
-        first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
-        return _run_updates(
-            fabric, module, fabric_optimizer, datamodule, updates, progress, out, schedule, first, staleness_bound
+    fabric.launch()  # everything below runs once per learner rank, in one process group
+    placement = launched_rank(fabric, learner)
+    policy, tokenizer, policy_dir = prepare_policy(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume))
+    with contextlib.ExitStack() as started:
+        with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
+            context = agent_limits(rollout, policy.config).max_context_tokens
+            engine = started.enter_context(
+                start_engine(
+                    rollout, policy_dir, serving_dtype(model.precision), placement, learner.world_size, context
+                )
+            )
+            teacher = None
+            if objective == "opd":
+                teacher = start_teacher(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement)
+                started.callback(teacher.close)
+        datamodule = rollout_datamodule(
+            rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config
         )
-    finally:
-        engine.close()
-        if teacher is not None:
-            teacher.close()
+        datamodule.share_with(fabric.global_rank, fabric.world_size)
+        publisher.engine, recorder.datamodule = engine, datamodule
+        module = StreamingPolicyModule(
+            policy,
+            objective,
+            "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped
+            advantage,
+            max_grad_norm=max_grad_norm if module_clips else None,
+            group_admission_cap=group_admission_cap,
+            sync_micro_batch_size=sync_micro_batch_size,
+            optimizer=optimizer,
+            max_policy_lag=lag,
+            context_backward=context_backward,
+        )
+        fabric_optimizer = _set_up(fabric, module, learner.strategy)
+        first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
+        batches = out / "batches" if record_batches else None
+        return _run_updates(
+            fabric,
+            module,
+            fabric_optimizer,
+            datamodule,
+            updates,
+            progress,
+            out,
+            schedule,
+            first,
+            staleness_bound,
+            batches,
+        )
+
+
+def _set_up(fabric, module: StreamingPolicyModule, strategy: str):
+    """Fabric's set-up of the module and its optimizer. The loop calls the module itself, not Fabric's wrapper:
+    per-source forwards bypass DDP's (the barrier reduces)."""
+    if strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
+        fabric.setup_module(module)
+        return fabric.setup_optimizers(module.configure_optimizers())
+    _, optimizer = fabric.setup(module, module.configure_optimizers())
+    return optimizer
 
 
 def _run_updates(
@@ -196,6 +234,7 @@ def _run_updates(
     schedule: str = "thundersync",
     first: int = 0,
     staleness_bound: int = 1,
+    batches: Path | None = None,
 ) -> FitResult:
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
@@ -211,9 +250,15 @@ def _run_updates(
         for update in bar:
             start = time.perf_counter()
             if continuous is not None:
-                one_update(fabric, module, optimizer, continuous_items(continuous), update)
+                items = recorded(
+                    continuous_items(continuous), batches and batch_file(batches, fabric.global_rank, update)
+                )
+                one_update(fabric, module, optimizer, items, update)
             elif prefetched is None:
-                one_update(fabric, module, optimizer, datamodule.stream_update(update), update)
+                items = recorded(
+                    datamodule.stream_update(update), batches and batch_file(batches, fabric.global_rank, update)
+                )
+                one_update(fabric, module, optimizer, items, update)
             else:
                 prefetched = one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
             record_update(fabric, module, datamodule, result, update, start, schedule, bar)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tslightning.distributed.rank_placement import share_problems
+from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
@@ -23,8 +25,12 @@ class ModelSettings:
     """OPD: CPU cores the frozen teacher's scoring thread runs on, e.g. ``rollout.cpus`` (the teacher then sits
     beside the rollout pool, as a separate teacher pool would); ``None``: the learner process's cores, shared with
     the learner."""
-    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    """Learner dtype. ``float64`` (exactness checks) computes norms in float64 too; the engine then serves float32."""
+    precision: Precision = "32-true"
+    """Learner precision (Fabric's names). ``bf16-mixed``: bfloat16 compute over float32 master weights and float32
+    optimizer state (with LoRA: float32 adapters over a frozen bfloat16 base) — what large-model runs want;
+    ``bf16-true``: bfloat16 weights and optimizer state (updates below bfloat16's resolution, e.g. at lr 1e-6, are
+    lost); ``64-true``: float64 for exactness checks (norms in float64 too). Engines serve bfloat16 under bf16-*,
+    else float32."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter instead of every weight (publication merges it into the served weights)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -44,6 +50,30 @@ class LoraSettings:
 
 
 @dataclass
+class VLLMSettings:
+    """The ``vllm`` engine of each learner rank (``rollout.engine: vllm``)."""
+
+    max_model_len: int | None = None
+    """Longest context vLLM serves; ``None``: ``rollout.max_context_tokens``. Must cover the longest trajectory
+    (prompt, every action and every kept observation)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each of the engine's GPUs vLLM may use (weights, activations, KV cache)."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine (one engine per learner rank)."""
+    gpus: list[int] | None = None
+    """The node's GPUs for the engines, split evenly among its learner ranks in local-rank order
+    (``tensor_parallel_size`` each at least); e.g. learner ranks on GPUs 0-3 and ``gpus: [4, 5, 6, 7]``. ``None``:
+    vLLM's default device (on GPUs every engine then shares the learner's device)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Serving dtype; ``auto``: the learner's compute dtype (float32 for a float64 learner)."""
+    enforce_eager: bool = True
+    """Skip torch.compile and CUDA-graph capture (fast start; set false for long GPU runs)."""
+    in_process: bool | None = None
+    """Run vLLM's engine core inside the learner's process; ``None``: only with one learner rank and no ``gpus``
+    or ``rollout.cpus`` placement (a learner's process group, or a placement, needs vLLM in its own process)."""
+
+
+@dataclass
 class RolloutSettings:
     """The rollout pool, the tasks and the agent (Table 6 limits, scaled to the workload)."""
 
@@ -54,8 +84,11 @@ class RolloutSettings:
     prefix_cache_tokens: int = 65536
     """K/V token positions one ``hf`` replica keeps for multi-turn prefix reuse (0: re-prefill every turn)."""
     cpus: list[int] | None = None
-    """CPU cores the rollout replicas (``hf`` engine) and the agent loop's threads run on (``None``: anywhere). Give
-    the learner other cores (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
+    """The node's CPU cores for rollout — the ``hf`` replicas or the ``vllm`` engine's threads, and the agent loop's
+    threads — split evenly among the node's learner ranks (``None``: anywhere). Give the learner other cores
+    (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """The ``vllm`` engine: context length, GPUs and memory, dtype."""
     environment: Literal["terminal", "simulated_tool"] = "terminal"
     """``terminal``: sandboxed terminal tasks; ``simulated_tool``: the benchmark's gauge tasks, whose tool calls
     sleep a seeded latency (:mod:`tslightning.tasks.simulated_tool`; ``tasks`` and ``split`` do not apply)."""
@@ -76,6 +109,9 @@ class RolloutSettings:
     max_tokens_per_trajectory: int = 384
     observation_head_tokens: int = 128
     observation_tail_tokens: int = 128
+    max_context_tokens: int | None = None
+    """Longest context of a trajectory; a turn that would exceed it ends the trajectory (``context_limit``).
+    ``None``: the policy's ``max_position_embeddings``."""
     reward_scheme: Literal["seta", "binary"] = "seta"
 
 
@@ -119,6 +155,7 @@ def setting_problems(
     schedule: str,
     context_backward: str,
     model: ModelSettings,
+    rollout: RolloutSettings,
     learner,
     checkpoint: CheckpointSettings,
     resume: str | None,
@@ -141,6 +178,34 @@ def setting_problems(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
             "context backward runs several per source: set context_backward=recompute"
         )
+    problems += _placement_problems(model, rollout, learner)
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
+    return problems
+
+
+def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner) -> list[str]:
+    """Node-wide core and GPU lists must split evenly among the node's learner ranks."""
+    vllm = rollout.vllm
+    problems = share_problems("learner.cpus", learner.cpus, learner.devices)
+    problems += share_problems("rollout.cpus", rollout.cpus, learner.devices)
+    problems += share_problems("model.teacher_cpus", model.teacher_cpus, learner.devices)
+    problems += share_problems("rollout.vllm.gpus", vllm.gpus, learner.devices, vllm.tensor_parallel_size)
+    if vllm.tensor_parallel_size < 1 or not 0 < vllm.gpu_memory_utilization <= 1:
+        problems.append(
+            "rollout.vllm.tensor_parallel_size must be >= 1 and rollout.vllm.gpu_memory_utilization in (0, 1]; got "
+            f"{vllm.tensor_parallel_size}, {vllm.gpu_memory_utilization}"
+        )
+    placed = vllm.gpus is not None or (rollout.engine == "vllm" and rollout.cpus is not None)
+    if vllm.in_process and (learner.world_size > 1 or placed):
+        problems.append(
+            "rollout.vllm.in_process: true needs one learner rank and no rollout.cpus / rollout.vllm.gpus placement "
+            "(vLLM then starts a process group and binds threads inside the learner's process); set it to null"
+        )
+    for name in ("max_context_tokens",):
+        value = getattr(rollout, name)
+        if value is not None and value < 2:
+            problems.append(f"rollout.{name} must be >= 2 or null; got {value}")
+    if vllm.max_model_len is not None and vllm.max_model_len < 2:
+        problems.append(f"rollout.vllm.max_model_len must be >= 2 or null; got {vllm.max_model_len}")
     return problems

@@ -5,12 +5,17 @@ engine, the OPD teacher and the rollout DataModule, and the learner's cores.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from tslightning.learner.precision import compute_norms_in_float64
+from tslightning.distributed.collectives import control_group
+from tslightning.distributed.rank_failure import agreed_by_ranks
+from tslightning.distributed.rank_placement import RankPlacement
+from tslightning.learner.precision import compute_norms_in_float64, weight_dtype
 from tslightning.loop.settings import ModelSettings, RolloutSettings
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
@@ -49,68 +54,141 @@ def training_tasks(rollout: RolloutSettings):
     return tasks
 
 
-def prepare_policy(model, rollout, warm_start, tasks, seed: int, out: Path):
-    """Load (or build) the policy, warm-start it, and save it where the rollout engine loads it."""
-    source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed))
-    policy, tokenizer = load_tiny_model(source)
-    if warm_start.steps:
-        loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout))
-        demos = demonstrations(rollout, tasks, warm_start.near_misses)
-        supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
-    policy_dir = out / "policy-0"
-    policy.save_pretrained(policy_dir)
-    tokenizer.save_pretrained(policy_dir)
-    policy = policy.to(getattr(torch, model.dtype))
-    if model.dtype == "float64":
-        compute_norms_in_float64(policy)
-    if model.lora is not None:
-        from peft import LoraConfig, get_peft_model
+def prepare_policy(fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool):
+    """θ_0, built once: global rank 0 builds (or loads), warm-starts and saves it as ``out/policy-0``; every rank then
+    loads that directory, so all ranks start from the same bytes and the engines serve them.
 
-        lora = model.lora
-        config = LoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
-        )
-        policy = get_peft_model(policy, config)
+    Without a warm start ``policy-0`` is a link to the source checkpoint (nothing is copied); on ``resume`` the run's
+    ``policy-0`` is reused (the checkpoint holds the trained weights). Returns the policy in the learner dtype (LoRA
+    wrapped when asked), its tokenizer and ``policy-0``.
+    """
+    policy_dir = out / "policy-0"
+    with agreed_by_ranks("set-up: building the initial policy on global rank 0"):
+        if fabric.global_rank == 0 and not (resume and policy_dir.exists()):
+            _save_initial_policy(model, rollout, warm_start, tasks, seed, out, policy_dir)
+    with agreed_by_ranks("set-up: loading the initial policy"):
+        policy, tokenizer = load_tiny_model(policy_dir, weight_dtype(model.precision, frozen=model.lora is not None))
+        if model.precision == "64-true":
+            compute_norms_in_float64(policy)
+        if model.lora is not None:
+            policy = _with_lora(policy, model.lora, float32_adapters=model.precision != "bf16-true")
     return policy, tokenizer, policy_dir
 
 
-def start_engine(rollout: RolloutSettings, policy_dir: Path, dtype: str):
+def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path) -> None:
+    source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed))
+    if policy_dir.is_symlink() or policy_dir.is_file():
+        policy_dir.unlink()
+    if not warm_start.steps:
+        if policy_dir.is_dir():
+            shutil.rmtree(policy_dir)
+        policy_dir.symlink_to(source.resolve(), target_is_directory=True)
+        return
+    policy, tokenizer = load_tiny_model(source)
+    loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy.config))
+    demos = demonstrations(rollout, tasks, warm_start.near_misses)
+    supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+
+
+def _with_lora(policy: torch.nn.Module, lora, float32_adapters: bool) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules)
+    )
+    return get_peft_model(policy, config, autocast_adapter_dtype=float32_adapters)  # float32 over a bf16 base
+
+
+def start_engine(
+    rollout: RolloutSettings,
+    policy_dir: Path,
+    dtype: str,
+    placement: RankPlacement | None = None,
+    world_size: int = 1,
+    max_model_len: int | None = None,
+):
+    """This learner rank's rollout engine, serving ``policy_dir`` in ``dtype`` on its share of the node's cores
+    (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``).
+
+    Args:
+        rollout: The rollout settings.
+        policy_dir: θ_0's checkpoint directory.
+        dtype: The dtype the engine serves (:func:`~tslightning.learner.precision.serving_dtype`).
+        placement: This rank's place on its node (``None``: one rank, the whole node).
+        world_size: Learner ranks in all (a vLLM engine leaves the learner's process group alone above one).
+        max_model_len: The agent's context limit; ``vllm`` serves it unless ``rollout.vllm.max_model_len`` is set.
+    """
+    placement = placement or RankPlacement(0, 1)
+    cpus = placement.share(rollout.cpus)
     if rollout.engine == "vllm":
-        from tslightning.rollout.vllm_engine import VLLMRolloutEngine
-
-        if rollout.cpus is not None:
-            raise ValueError("rollout.cpus places hf replicas; the in-process vllm engine shares the learner's cores")
-
-        return VLLMRolloutEngine(policy_dir, dtype=dtype)
+        return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(
         policy_dir,
         dtype=dtype,
         replicas=rollout.replicas,
-        cpus=rollout.cpus,
+        cpus=cpus,
         max_batch_size=rollout.max_batch_size,
         prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
 
 
-def start_teacher(model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path) -> TeacherScorer:
+def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
+    from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+
+    gpus = placement.share(settings.gpus)
+    in_process = settings.in_process
+    if in_process is None:  # a learner's process group, or a placement of vLLM's own, needs vLLM's own process
+        in_process = world_size == 1 and cpus is None and gpus is None
+    serving = dtype if settings.dtype == "auto" else settings.dtype
+    return VLLMRolloutEngine(
+        policy_dir,
+        dtype=serving,
+        max_model_len=settings.max_model_len or context or 4096,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=settings.enforce_eager,
+        in_process=in_process,
+        cpus=None if in_process else cpus,
+        gpus=gpus,
+    )
+
+
+def start_teacher(
+    fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool, placement
+) -> TeacherScorer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
-    samples."""
-    if model.teacher_path:
-        teacher, _ = load_tiny_model(model.teacher_path)
-        return TeacherScorer(teacher, cpus=model.teacher_cpus)
-    teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
-    if warm_start.steps:
-        loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout))
-        demos = demonstrations(rollout, tasks, near_misses=False)
-        supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
-    return TeacherScorer(teacher, cpus=model.teacher_cpus)
+    samples; built once on global rank 0 (``out/teacher-0``) and loaded by every rank. Its scoring thread runs on this
+    rank's share of ``model.teacher_cpus``."""
+    teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
+    with agreed_by_ranks("set-up: building the OPD teacher on global rank 0"):
+        if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
+            teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
+            if warm_start.steps:
+                loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, teacher.config))
+                demos = demonstrations(rollout, tasks, near_misses=False)
+                supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
+            teacher.save_pretrained(teacher_dir)
+            tokenizer.save_pretrained(teacher_dir)
+    with agreed_by_ranks("set-up: loading the OPD teacher"):
+        teacher, _ = load_tiny_model(teacher_dir)
+        return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
 
 
 def rollout_datamodule(
-    rollout: RolloutSettings, engine, tokenizer, tasks, objective: str, teacher: TeacherScorer | None, seed: int
+    rollout: RolloutSettings,
+    engine,
+    tokenizer,
+    tasks,
+    objective: str,
+    teacher: TeacherScorer | None,
+    seed: int,
+    placement: RankPlacement | None = None,
+    policy_config=None,
 ) -> RolloutDataModule:
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
     agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores)."""
@@ -122,11 +200,11 @@ def rollout_datamodule(
         objective,
         rollout.prompts_per_update,
         rollout.samples_per_prompt,
-        agent_limits(rollout),
+        agent_limits(rollout, policy_config),
         teacher,
         seed,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
-        cpus=rollout.cpus,
+        cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
     )
 
 
@@ -142,19 +220,53 @@ def demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):
     return task_demonstrations(tasks, near_misses)
 
 
-def agent_limits(rollout: RolloutSettings) -> AgentLimits:
+def agent_limits(rollout: RolloutSettings, policy_config=None) -> AgentLimits:
+    """The agent's per-attempt limits; the context limit is ``rollout.max_context_tokens``, else the policy's
+    ``max_position_embeddings`` (from ``policy_config``), else the agent loop's default."""
+    context = rollout.max_context_tokens or getattr(policy_config, "max_position_embeddings", None)
+    bounds = (
+        {}
+        if context is None
+        else {
+            "max_context_tokens": context,
+            "max_prompt_tokens": max(1, min(16384, context - rollout.max_tokens_per_turn)),
+        }
+    )
     return AgentLimits(
         max_turns=rollout.max_turns,
         max_tokens_per_turn=rollout.max_tokens_per_turn,
         max_tokens_per_trajectory=rollout.max_tokens_per_trajectory,
         observation=ObservationWindow(rollout.observation_head_tokens, rollout.observation_tail_tokens),
+        **bounds,
     )
 
 
 def place_learner(cpus: list[int] | None) -> None:
+    """Bind this learner process to ``cpus`` (its share of ``learner.cpus``), one torch thread per core."""
     if cpus is None:
         return
     if not cpus:
         raise ValueError("learner.cpus is empty; list at least one core, or null to leave placement alone")
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+
+
+def launched_rank(fabric, learner) -> RankPlacement:
+    """Checks right after ``fabric.launch()``: one process group of Fabric's world size (an engine or library that
+    started its own group first would make every collective a no-op), the gloo group control messages use, and
+    this rank's cores.
+
+    Raises:
+        ValueError: if the process group's world size is not Fabric's.
+    """
+    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if group_size != fabric.world_size:
+        raise ValueError(
+            f"learner: the torch.distributed process group has {group_size} rank(s) but Fabric launched "
+            f"{fabric.world_size}; something initialized a process group before fabric.launch() (start rollout "
+            "engines after launch, or out of process)"
+        )
+    control_group()  # made here, where every rank is, not at a first control message
+    placement = RankPlacement(fabric.local_rank, learner.devices)
+    place_learner(placement.share(learner.cpus))
+    return placement

@@ -17,6 +17,7 @@ import torch
 
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import BatchClosed
+from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.rank_failure import reported_to_ranks
 from tslightning.learner.update_log import log_update_metrics, write_update_row
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -127,8 +128,7 @@ def record_update(fabric, module, datamodule, result: FitResult, update: int, st
     rewards = [t.reward for t in trajectories if t.reward is not None]
     gap, tokens = map(sum, zip(*(t.teacher_gap() for t in trajectories), strict=True)) if trajectories else (0, 0)
     totals = torch.tensor([sum(rewards), len(rewards), gap, tokens], dtype=torch.float64)
-    if fabric.world_size > 1:
-        totals = fabric.all_reduce(totals, reduce_op="sum")
+    control_all_reduce(totals)  # every rank's share; host numbers go over gloo (NCCL rejects them)
     reward_sum, num_rewards, gap, tokens = totals.tolist()
     result.mean_rewards.append(reward_sum / max(num_rewards, 1))
     result.step_seconds.append(time.perf_counter() - start)

@@ -29,7 +29,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -69,6 +69,11 @@ class VLLMRolloutEngine(QueuedEngine):
         max_num_seqs: Most sequences vLLM schedules together.
         tensor_parallel_size: GPUs per engine (needs ``in_process=False`` when > 1).
         in_process: Run vLLM's engine core in this process (see the module docstring).
+        cpus: Cores the engine's worker threads are bound to (``VLLM_CPU_OMP_THREADS_BIND`` of vLLM's CPU backend),
+            e.g. this learner rank's share of ``rollout.cpus``; needs ``in_process=False``. ``None``: vLLM's default.
+        gpus: GPUs the engine runs on (``CUDA_VISIBLE_DEVICES`` of its process, ``tensor_parallel_size`` of them),
+            e.g. this learner rank's share of the rollout GPUs; needs ``in_process=False``. ``None``: vLLM's default
+            (the first visible GPU).
         policy_version: Version of the checkpoint's weights.
         publish_timeout: Seconds ``publish`` waits for the reload (it includes batches still running).
         **llm_kwargs: Any other ``vllm.LLM`` argument.
@@ -87,6 +92,8 @@ class VLLMRolloutEngine(QueuedEngine):
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
         in_process: bool = True,
+        cpus: Sequence[int] | None = None,
+        gpus: Sequence[int] | None = None,
         policy_version: int = 0,
         publish_timeout: float = 600.0,
         **llm_kwargs: Any,
@@ -96,12 +103,18 @@ class VLLMRolloutEngine(QueuedEngine):
                 "An in-process vLLM engine starts its own torch.distributed process group, but this process already "
                 "has one (the learner's): create the engine with in_process=False."
             )
+        if in_process and (cpus is not None or gpus is not None):
+            raise ValueError(
+                "VLLMRolloutEngine: cpus and gpus place vLLM's own process; set in_process=False (in process, vLLM "
+                "would rebind the learner's threads and cannot change the GPUs a running process sees)"
+            )
         self._dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self._host = _HostState.capture() if in_process else None
         try:
             self._llm = _start_llm(
                 in_process,
                 kv_cache_memory_bytes,
+                _engine_environment(in_process, cpus, gpus),
                 model=str(model_path),
                 dtype=str(self._dtype).removeprefix("torch."),
                 seed=seed,
@@ -298,7 +311,12 @@ class VLLMRolloutEngine(QueuedEngine):
                         future.set_exception(error)
 
 
-def _start_llm(in_process: bool, kv_cache_memory_bytes: int | Literal["auto"] | None, **kwargs: Any) -> Any:
+def _start_llm(
+    in_process: bool,
+    kv_cache_memory_bytes: int | Literal["auto"] | None,
+    environment: Mapping[str, str | None],
+    **kwargs: Any,
+) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     import vllm
     import vllm.envs
@@ -311,8 +329,55 @@ def _start_llm(in_process: bool, kv_cache_memory_bytes: int | Literal["auto"] | 
         )
     if kv_cache_memory_bytes == "auto":
         kv_cache_memory_bytes = _CPU_KV_CACHE_BYTES if current_platform.is_cpu() else None
-    with _contain_vllm_side_effects():
+    with _contain_vllm_side_effects(), _environment(environment):
         return vllm.LLM(kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs)
+
+
+_LEARNER_RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+"""The learner's torch.distributed environment: a vLLM process of its own starts its own one-rank group instead."""
+
+
+def _engine_environment(
+    in_process: bool, cpus: Sequence[int] | None, gpus: Sequence[int] | None
+) -> dict[str, str | None]:
+    """Environment changes vLLM's engine process is started with (``None``: removed); none in process."""
+    if in_process:
+        return {}
+    environment: dict[str, str | None] = dict.fromkeys(_LEARNER_RANK_VARIABLES)
+    if cpus is not None:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
+    if gpus is not None:
+        environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return environment
+
+
+@contextlib.contextmanager
+def _environment(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """Apply ``changes`` to ``os.environ`` while vLLM spawns its engine process (which inherits them), then undo."""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,24 @@
+"""A test callback: at the end of training each rank saves its policy's parameters (``theta-rank<r>.pt``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+class ParameterDump(L.Callback):
+    """Saves ``pl_module.policy``'s state dict on every rank when training ends.
+
+    Args:
+        path: Directory of the ``theta-rank<r>.pt`` files.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = {name: tensor.detach().cpu().clone() for name, tensor in pl_module.policy.state_dict().items()}
+        self.path.mkdir(parents=True, exist_ok=True)
+        torch.save(state, self.path / f"theta-rank{trainer.global_rank}.pt")
