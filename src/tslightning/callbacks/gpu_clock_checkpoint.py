@@ -204,7 +204,8 @@ class GPUClockCheckpoint(UpdateCallback):
 
     # ----------------------------------------------------------------- writing
     def save(self, trainer: Any, pl_module: Any) -> Path | str:
-        """Write the checkpoint of the update the module last finished and prune old ones.
+        """Write the checkpoint of the update the module last finished (the last one the hooks saw end, else the one
+        before the module's ``policy_version``) and prune old ones.
 
         Call it only at an optimizer boundary (the hooks do). Collective: every rank must call it.
 
@@ -212,6 +213,9 @@ class GPUClockCheckpoint(UpdateCallback):
             RuntimeError: If writing failed on any rank; no checkpoint of that update (nor a temporary) is left.
         """
         update = self.last_update_index
+        if update is None:  # called directly, outside the hooks: the module's version says which update it finished
+            version = held_version(trainer, pl_module)
+            update = None if not version else version - 1
         if update is None:
             raise RuntimeError("GPUClockCheckpoint.save: no update has finished yet")
         gpu_clock_s = self.gpu_clock_s
