@@ -33,8 +33,9 @@ class GradientClipping(UpdateCallback):
     Refuses to clip twice: with ``Trainer(gradient_clip_val=...)``, with another GradientClipping, or with a module
     that declares ``clips_gradients`` (the streaming module built with ``max_grad_norm`` set: construct it with
     ``max_grad_norm=None``). A non-finite norm raises, so the optimizer never steps (replicated gradients are left
-    untouched; a sharded strategy's ``clip_gradients`` has already scaled them) — except under a GradScaler (fp16 mixed precision), where it is the scaler's overflow signal: the callback leaves the
-    gradients alone, counts the update in ``skipped_updates`` and the scaler skips the step, as Lightning does.
+    untouched; a sharded strategy's ``clip_gradients`` has already scaled them) — except under a GradScaler (fp16
+    mixed precision), where it is the scaler's overflow signal: the callback leaves the gradients alone, counts the
+    update in ``skipped_updates`` and the scaler skips the step, as Lightning does.
 
     Args:
         max_norm: Largest global norm of the gradient the optimizer sees.
