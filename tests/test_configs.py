@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -57,3 +62,31 @@ def test_extra_callbacks_take_class_path_and_init_args(tmp_path):
     init = parser().instantiate_classes(parsed)
     (monitor,) = init.callbacks
     assert type(monitor).__name__ == "StalenessMonitor" and monitor.max_policy_lag == 2
+
+
+def test_a_plain_install_ships_the_configs_and_resolves_them_by_name(tmp_path):
+    """`tslightning fit --config quickstart` from a built wheel (not the editable checkout): the wheel carries
+    configs/ as package data, byte for byte, and the command finds it by name from any directory."""
+    root, source = Path(__file__).parents[1], tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(root / "src", source / "src", symlinks=True, ignore=skip)  # src/tslightning/configs is a link
+    shutil.copytree(root / "configs", source / "configs")
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    subprocess.run([*build, str(source)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("tslightning-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = [n for n in archive.namelist() if n.startswith("tslightning/configs/")]
+        assert {Path(n).name: archive.read(n) for n in names} == {c.name: c.read_bytes() for c in CONFIGS}
+        archive.extractall(tmp_path / "installed")
+    script = (
+        "import tslightning.cli as c; print(c.__file__); c.main(['fit', '--config', 'quickstart', '--print_config'])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "installed")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(str(tmp_path / "installed")) and "updates: 30" in done.stdout

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json as json_module
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
-from jsonargparse import CLI
+import yaml
+from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper, set_parsing_settings
 
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
+from tslightning.commands.plan import learner_shape, plan_report
+from tslightning.commands.plan import model_config as policy_config
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import RolloutSettings, fit
+from tslightning.loop.run_config import yaml_text
+from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters
+from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.sandbox import Backend, SandboxUnavailableError
 from tslightning.tasks.rewards import RewardScheme
 from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
 
-_BARE_FLAGS = ("--json",)
+_BARE_FLAGS = ("--json", "--overwrite")
 
 
 def verify(
@@ -288,19 +296,103 @@ def predict(
         print(f"  wrote {path}")
 
 
+def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str | None = None) -> None:
+    """Print each learner rank's memory (weights, gradients, optimizer state, statistics, activations with and
+    without checkpointing) for a fit config, planned from the model's config alone, and the settings to change when
+    it does not fit ``gpu_memory_gb``.
+
+    Args:
+        fit_config: A fit config file, or a shipped config's name (``--config`` works too).
+        gpu_memory_gb: Memory of one learner GPU (GiB), to say whether the run fits.
+        model_config: A Hugging Face ``config.json`` to plan for instead of ``model.path``'s (no weights needed).
+    """
+    cli = parser()
+    arguments = cli.instantiate(cli.parse_args(["fit", "--config", _config_file(fit_config)]))["fit"]
+    config = policy_config(arguments["model"], model_config)
+    learner = arguments["learner"]
+    model, rollout, cap = arguments["model"], arguments["rollout"], arguments["group_admission_cap"]
+    shape = learner_shape(config, arguments["objective"], model, rollout, learner, cap)
+    memory = plan_learner_memory(config, shape)
+    print(plan_report(memory, shape, gpu_memory_gb, learner.activation_checkpointing))
+
+
+COMMANDS = {
+    "fit": fit,
+    "plan": plan,
+    "verify": verify,
+    "validate": validate,
+    "replay": replay,
+    "predict": predict,
+    "bench": bench,
+    "tasks": {"validate": tasks_validate},
+}
+
+_DESCRIPTION = (
+    "tslightning: exact gradient streaming for agentic RL on PyTorch Lightning / Fabric. Run `tslightning COMMAND "
+    "--help` for a command's options (with each setting's documentation). `--config FILE` may come before or after "
+    "the command; FILE may also name a shipped config (quickstart, quickstart_opd, bench_balanced, ...). A user error "
+    "prints one line naming the setting and the fix and exits 2; add --debug anywhere for the traceback."
+)
+
+_CONFIG_NAME = re.compile(r"(configs/)?[\w.-]+")
+"""A ``--config`` value that may name a shipped config (a bare name, ``NAME.yaml`` or ``configs/NAME.yaml``)."""
+
+
+class CommandLineError(ValueError):
+    """A command line the user must fix (an unknown config, a value a settings class refused)."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of the ``tslightning`` console script."""
-    args = _bench_fit_config(_positional_task_dir(list(sys.argv[1:] if argv is None else argv)))
-    commands = {
-        "fit": fit,
-        "verify": verify,
-        "validate": validate,
-        "replay": replay,
-        "predict": predict,
-        "bench": bench,
-        "tasks": {"validate": tasks_validate},
-    }
-    CLI(commands, args=_expand_bare_flags(args), as_positional=False)
+    """Entry point of the ``tslightning`` console script.
+
+    A user error — an unknown option or value, a config that is neither a file nor a shipped config, a setting out of
+    range, a malformed task, an output directory that holds an earlier run — prints one line and exits 2 before
+    anything is written; ``--debug`` (anywhere on the command line) raises it with its traceback instead.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        _run([arg for arg in args if arg != "--debug"])
+    except (ArgumentError, SettingsError, CommandLineError) as error:
+        if debug:
+            raise
+        hint = " (see --help)" if isinstance(error, ArgumentError) else ""
+        print(f"tslightning: {' '.join(str(error).split())}{hint}; --debug shows the traceback", file=sys.stderr)
+        sys.exit(2)
+
+
+def parser() -> ArgumentParser:
+    """The ``tslightning`` parser: one subcommand per command, settings documented from their attribute docstrings."""
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    set_dumper("yaml", yaml_text)  # --print_config writes enum defaults (e.g. of a callback) as their values
+    return auto_parser(COMMANDS, as_positional=False, exit_on_error=False, prog="tslightning", description=_DESCRIPTION)
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs installed with the package (``tslightning/configs/*.yaml``, the repository's ``configs/``)."""
+    directory = importlib.resources.files("tslightning") / "configs"
+    if not isinstance(directory, Path) or not directory.is_dir():
+        return {}
+    return {path.stem: path for path in sorted(directory.glob("*.yaml"))}
+
+
+def _run(args: list[str]) -> None:
+    """Parse, instantiate the settings, and run the chosen command."""
+    args = _expand_bare_flags(
+        _shipped_config_paths(_bench_fit_config(_config_after_command(_positional_task_dir(args))))
+    )
+    cli = parser()
+    config = cli.parse_args(args)
+    try:
+        settings = cli.instantiate(config)
+    except (ValueError, TypeError) as error:  # a settings class refused a value (e.g. TinyModelConfig's shape)
+        raise CommandLineError(str(error)) from error
+    command, arguments = COMMANDS[settings.subcommand], settings[settings.subcommand]
+    while isinstance(command, dict):  # `tasks validate`
+        command, arguments = command[arguments.subcommand], arguments[arguments.subcommand]
+    arguments.pop("config", None)
+    arguments.pop("subcommand", None)
+    command(**arguments)
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:
@@ -310,9 +402,67 @@ def _positional_task_dir(args: list[str]) -> list[str]:
     return args
 
 
+def _config_after_command(args: list[str]) -> list[str]:
+    """``tslightning --config X fit ...`` means ``tslightning fit --config X ...``, unless X nests its settings under
+    the command's name (jsonargparse's own form for a config given before the command)."""
+    position, leading = 0, []
+    while position < len(args):
+        if args[position] == "--config" and position + 1 < len(args):
+            leading += args[position : position + 2]
+            position += 2
+        elif args[position].startswith("--config="):
+            leading.append(args[position])
+            position += 1
+        else:
+            break
+    if not leading or position == len(args) or args[position].startswith("-"):
+        return args
+    command = args[position : position + (2 if args[position] == "tasks" else 1)]
+    values = [arg.removeprefix("--config=") for arg in leading if arg != "--config"]
+    if any(_nests_under(value, command[0]) for value in values):
+        return args
+    return [*command, *leading, *args[position + len(command) :]]
+
+
+def _nests_under(config: str, command: str) -> bool:
+    try:
+        settings = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(settings, dict) and command in settings
+
+
+def _shipped_config_paths(args: list[str]) -> list[str]:
+    """Resolve each ``--config`` (and bench's ``--fit_config``) value naming a shipped config rather than a file."""
+    resolved, option = [], None
+    for arg in args:
+        name, equals, value = arg.partition("=")
+        if option is not None:
+            arg = _config_file(arg)
+        elif equals and name in ("--config", "--fit_config"):
+            arg = f"{name}={_config_file(value)}"
+        option = arg if arg in ("--config", "--fit_config") else None
+        resolved.append(arg)
+    return resolved
+
+
+def _config_file(value: str) -> str:
+    """An existing file as given; else the shipped config it names (``quickstart``, ``quickstart.yaml`` or
+    ``configs/quickstart.yaml``, which a plain pip install has no copy of)."""
+    if Path(value).exists() or not _CONFIG_NAME.fullmatch(value):
+        return value
+    shipped = shipped_configs()
+    name = Path(value).stem if value.endswith((".yaml", ".yml")) else Path(value).name
+    if name not in shipped:
+        raise CommandLineError(
+            f"--config {value} is neither a file nor a shipped config; give a path or one of: {', '.join(shipped)}"
+        )
+    return str(shipped[name])
+
+
 def _bench_fit_config(args: list[str]) -> list[str]:
-    """``bench --config FILE`` names the workload's fit config, not a config of bench's own arguments."""
-    if args[:1] != ["bench"]:
+    """``bench --config FILE`` and ``plan --config FILE`` name a fit config, not a config of their own arguments."""
+    if args[:1] not in (["bench"], ["plan"]):
         return args
     renamed = []
     for arg in args:

@@ -176,3 +176,21 @@ def test_admission_cap_bounds_memory_and_keeps_exactness(make_policy, vocab_size
     assert max(waiting) == 0  # the uncapped run never holds items back
     assert results[1].peak_held_numel > (2 * cap + 1) * numel  # this interleaving would exceed the bound uncapped
     assert rel_err(capped.last_direction, uncapped.last_direction) <= FLOAT64_TOLERANCE
+
+
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_activation_checkpointing_streams_the_same_update_float64(make_policy, vocab_size, teacher64, objective):
+    """Checkpointed layers recompute their forward in the backward: the streamed direction stays the sync one."""
+    from tslightning.loop.startup import checkpoint_activations
+
+    generator, shape = torch.Generator().manual_seed(7), WorkloadShape(num_groups=3, max_turns=3)
+    if objective == "grpo":
+        batch = synthetic_grpo_batch(vocab_size, 0, generator, shape)
+    else:
+        batch = synthetic_opd_batch(vocab_size, 0, generator, teacher64, shape)
+    checkpointed = make_policy()
+    checkpoint_activations(checkpointed)
+    assert checkpointed.training and any(getattr(m, "gradient_checkpointing", False) for m in checkpointed.modules())
+    streamed = run_update(checkpointed, batch.reordered(torch.Generator().manual_seed(8)), "thundersync")
+    sync = run_update(make_policy(), batch, "sync")
+    assert rel_err(streamed, sync) <= FLOAT64_TOLERANCE

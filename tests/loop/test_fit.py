@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from tslightning import cli
 
 
@@ -28,7 +30,7 @@ def test_quickstart_fit_runs_end_to_end(tmp_path):
     )
     rewards = json.loads((out / "rewards.json").read_text())
     assert len(rewards["mean_rewards"]) == 2 and all(0.0 <= r <= 1.5 for r in rewards["mean_rewards"])
-    config = json.loads((out / "config.json").read_text())
+    config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["schedule"] == "thundersync" and config["rollout"]["prompts_per_update"] == 2
     metrics = list((out / "csv").rglob("metrics.csv"))
     assert metrics and "train/mean_reward" in metrics[0].read_text()
@@ -64,6 +66,7 @@ def _short_fit(out, schedule, *extra):
             "false",
             "--schedule",
             schedule,
+            "--debug",  # a bad setting raises its error instead of exiting
             *extra,
         ]
     )
@@ -166,3 +169,24 @@ def test_teacher_cpus_needs_the_opd_objective(tmp_path):
 
     with pytest.raises(ValueError, match="model.teacher_cpus places the OPD teacher; objective 'grpo'"):
         _short_fit(tmp_path / "bad", "sync", "--model.teacher_cpus", "[0]")
+
+
+def test_the_saved_config_re_runs_the_run(tmp_path):
+    """config.yaml is the resolved config, extra callbacks as class_path/init_args: `tslightning fit --config
+    runs/X/config.yaml --out_dir Y` runs the same settings again, and the first run's directory is not reused."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    small = ["--updates", "1", "--warm_start.steps", "0", "--rollout.prompts_per_update", "1"]
+    small += ["--rollout.samples_per_prompt", "2", "--rollout.max_turns", "1", "--rollout.max_tokens_per_turn", "16"]
+    extra = "[{class_path: tslightning.callbacks.StalenessMonitor, init_args: {max_policy_lag: 3}}]"
+    cli.main(
+        ["fit", "--config", "quickstart", *small, "--callbacks", extra, "--progress", "false", "--out_dir", str(first)]
+    )
+    cli.main(["fit", "--config", str(first / "config.yaml"), "--out_dir", str(second)])
+    original, rerun = (yaml.safe_load((out / "config.yaml").read_text()) for out in (first, second))
+    assert rerun == original | {"out_dir": str(second)}
+    assert original["updates"] == 1 and original["rollout"]["samples_per_prompt"] == 2
+    assert original["callbacks"] == [
+        {"class_path": "tslightning.callbacks.staleness_monitor.StalenessMonitor", "init_args": {"max_policy_lag": 3}}
+    ]
+    rewards = [json.loads((out / "rewards.json").read_text())["mean_rewards"] for out in (first, second)]
+    assert len(rewards[0]) == 1 and rewards[0] == rewards[1]  # same seed, same rollouts

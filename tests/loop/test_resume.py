@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tslightning.callbacks import read_trace
 from tslightning.callbacks.checkpoint_state import CheckpointError, read_meta
@@ -16,7 +17,7 @@ from tslightning.core.sources import TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings
 from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
 
-fit_module = importlib.import_module("tslightning.loop.fit")  # the package re-exports the function as `fit`
+fit_module = importlib.import_module("tslightning.loop.fit")  # the module; the package's `fit` is the function
 
 KILLED_AT = 2
 EVERY_UPDATE = CheckpointSettings(interval_s=1e-9)  # any positive GPU-clock is past the interval
@@ -84,6 +85,10 @@ def test_kill_resume_finish_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     state_b, meta_b = final_state(interrupted, 2)
 
     assert len(resumed.mean_rewards) == 1  # only update 2 ran after the resume
+    # The resume recorded its own config beside the run's, which it left as it was.
+    assert yaml.safe_load((interrupted / "config.yaml").read_text())["resume"] is None
+    assert yaml.safe_load((interrupted / "config.resume-1.yaml").read_text())["resume"].endswith("update-1")
+    assert (interrupted / "rewards.resume-1.json").is_file()
     theta_a, theta_b = state_a["state_dict"], state_b["state_dict"]
     assert theta_a.keys() == theta_b.keys()
     gap = max((theta_a[name] - theta_b[name]).abs().max().item() for name in theta_a)

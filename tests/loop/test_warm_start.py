@@ -61,3 +61,10 @@ def test_near_miss_drops_the_redirection_or_the_last_line():
     assert near_miss(one_line).turns[0][0] == "<bash>wc -l < log.txt</bash>"
     two_lines = Demonstration("x", (("<bash>sort a > b\nmv b a</bash>", "[exit code 0]"), ("<finish/>", "")))
     assert near_miss(two_lines).turns == (("<bash>sort a > b</bash>", "[exit code 0]"), ("<finish/>", ""))
+
+
+def test_warm_start_leaves_no_gradient_on_any_weight(tokenizer, make_policy):
+    """The RL learner accumulates per-source gradients into ``.grad``: a warm start's last step must not seed them."""
+    model = make_policy(torch.float32)
+    supervised_warm_start(model, AgentLoop(engine=None, tokenizer=tokenizer), DEMOS, steps=3, seed=0)
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []

@@ -90,7 +90,7 @@ def test_reward_txt():
 
 
 def test_read_reward_files_prefers_json(tmp_path):
-    (tmp_path / "reward.txt").write_text("0\n")
+    (tmp_path / "reward.txt").write_text("0.500000\n")  # both files must agree (see test_reward_integrity)
     (tmp_path / "reward.json").write_text('{"tests_passed": 1, "tests_total": 2}')
     reading = read_reward_files(tmp_path)
     assert reading.passed_fraction == 0.5 and reading.source == "reward.json"

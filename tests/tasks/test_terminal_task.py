@@ -81,7 +81,7 @@ env = { SEED = "1" }
     assert task.agent.timeout_sec == 90.0 and task.solution_env == {"SEED": "1"}
     assert task.environment.cpus == 2 and task.environment.allow_internet is False
     assert task.verifier_limits() == SandboxLimits(
-        timeout_s=30.0, cpu_seconds=60, memory_bytes=512 * 2**20, file_size_bytes=100 * 2**20
+        timeout_s=30.0, cpu_seconds=60, memory_bytes=512 * 2**20, file_size_bytes=100 * 2**20, disk_bytes=100 * 2**20
     )
     # An agent command gets Table 6's 120 s, capped by the task's own agent timeout.
     assert task.agent_limits().timeout_s == 90.0 and task.agent_limits(60.0).timeout_s == 60.0

@@ -319,6 +319,7 @@ def _run_fit(config: str, schedule: str, updates: int, run_dir: Path, overrides:
         f"--schedule={schedule}",
         f"--updates={updates}",
         f"--out_dir={run_dir}",
+        "--overwrite=true",  # a bench run directory holds the latest measurement of its schedule
         "--progress=false",
         *overrides,
     ]

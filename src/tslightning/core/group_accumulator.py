@@ -75,8 +75,9 @@ class GroupAccumulator:
             )
             self._open[group_id] = stats
             self.peak_held_numel = max(self.peak_held_numel, self.held_numel)
-        self.layout.add_(stats.g1, grads, alpha=reward - stats.shift)
-        self.layout.add_(stats.g2, grads)
+        flat = self.layout.gather(grads, self.dtype)  # one copy of H_i where the statistics live
+        stats.g1.add_(flat, alpha=reward - stats.shift)
+        stats.g2.add_(flat)
         stats.rewards.append(reward)
 
     def close(self, group_id: str) -> GroupReduction:
@@ -100,5 +101,6 @@ class GroupAccumulator:
     def reset(self) -> None:
         """Start a new logical batch: zero the batch accumulator, drop any open statistics."""
         self._open.clear()
+        self.batch = self.layout.placed(self.batch)
         self.batch.zero_()
         self.peak_held_numel = self.held_numel

@@ -28,8 +28,13 @@ class ParameterLayout:
     their memory exactly ``numel`` values each and makes the App. D.3 bound easy to state and check.
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], statistics_device: str = "host") -> None:
         self.parameters: list[torch.nn.Parameter] = [p for p in parameters if p.requires_grad]
+        if statistics_device not in ("host", "device"):
+            raise ValueError(f"statistics_device must be 'host' or 'device'; got {statistics_device!r}")
+        self.statistics_device = statistics_device
+        """Where flat statistics live: ``host`` memory (page-locked on a CUDA machine) or the parameters' device."""
+        self._staging: torch.Tensor | None = None
         if not self.parameters:
             raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to stream")
         self.numel = sum(p.numel() for p in self.parameters)
@@ -58,9 +63,34 @@ class ParameterLayout:
         self.parameters[:] = new
 
     def zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        """A new flat zero vector in host memory (where the paper keeps FP32 statistics, App. D.3), page-locked on
-        a CUDA machine so per-source gradients copy into it by DMA."""
+        """A new flat zero vector where statistics live: host memory (where the paper keeps FP32 statistics, App. D.3),
+        page-locked on a CUDA machine so gradients copy into it by DMA; or the parameters' device."""
+        if self.statistics_device == "device":
+            return torch.zeros(self.numel, dtype=dtype, device=self.parameters[0].device)
         return torch.zeros(self.numel, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+
+    def placed(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` if it lives where statistics live now, else a new zero vector there (the parameters moved to
+        their device after the statistics were allocated)."""
+        if self.statistics_device == "device" and flat.device != self.parameters[0].device:
+            return self.zeros(flat.dtype)
+        return flat
+
+    def gather(self, grads: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """One source's per-parameter gradients as one flat vector where statistics live, copied there once.
+
+        Host statistics reuse one staging vector (returned; valid until the next call): every gradient is queued
+        into it without blocking, and a single synchronization waits for all the copies.
+        """
+        if self.statistics_device == "device" or self.parameters[0].device.type == "cpu":
+            device = self.parameters[0].device if self.statistics_device == "device" else torch.device("cpu")
+            return torch.cat([g.detach().reshape(-1).to(device=device, dtype=dtype) for g in grads])
+        if self._staging is None or self._staging.dtype != dtype:
+            self._staging = self.zeros(dtype)
+        for s, g in zip(self._slices, grads, strict=True):
+            self._staging[s].copy_(g.detach().reshape(-1), non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the copies into page-locked memory have landed
+        return self._staging
 
     def add_(self, flat: torch.Tensor, grads: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
         """``flat += alpha * grads`` where ``grads`` follows :attr:`parameters` (as from ``torch.autograd.grad``)."""

@@ -32,5 +32,6 @@ class TurnAccumulator:
         self.num_tokens += num_scored
 
     def reset(self) -> None:
+        self.total = self.layout.placed(self.total)
         self.total.zero_()
         self.num_tokens = 0

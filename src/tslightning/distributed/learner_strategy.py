@@ -52,6 +52,12 @@ class LearnerSettings:
     process_group_backend: str | None = None
     """torch.distributed backend of the learner ranks' default group; ``None``: gloo on CPU, NCCL on GPUs (Fabric's
     choice). tslightning's own control messages always travel over gloo (a side group when this is not gloo)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's inputs in a pass and recompute the layer in its backward (transformers'
+    gradient checkpointing): far less activation memory for one more forward per pass (``tslightning plan``)."""
+    statistics_device: Literal["host", "device"] = "host"
+    """Where the streaming statistics (GRPO G1/G2 of open groups and the batch accumulator; OPD's sum) live: ``host``
+    memory (page-locked on GPUs, one copy per source) or the learner's ``device`` (no copy, device memory)."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""

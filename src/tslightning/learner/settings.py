@@ -20,5 +20,8 @@ class OptimizerSettings:
     lr: float = 1e-6
     """Learning rate, constant (no schedule, no warm-up)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's β1, β2: decay rates of the first and second moment estimates, each in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's ε, added to the root of the second moment."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (0: none, as in Table 5)."""

@@ -91,6 +91,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             (each source runs its whole ``token_ids``) or ``boundary`` (a GRPO group's prompt and an OPD
             trajectory's earlier turns run once; boundary adjoints are back-propagated when the group or trajectory
             closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
+        statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; one
+            copy per source) or the policy's ``device`` (no copy; costs (2k+1) parameter-sized vectors there).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         sync_micro_batch_size: int = 8,
         max_policy_lag: int = 0,
         context_backward: ContextBackward = ContextBackward.RECOMPUTE,
+        statistics_device: str = "host",
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -127,7 +130,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.max_policy_lag = max_policy_lag
         self.policy_version = 0
         self.num_optimizer_steps = 0
-        self.layout = ParameterLayout(policy.parameters())
+        self.layout = ParameterLayout(policy.parameters(), statistics_device)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
         self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
         self.turns = TurnAccumulator(self.layout, dtype)
@@ -186,6 +189,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f">= {self.advantage.min_group_size} trajectories per group"
             )
         self.lockstep = self._lockstep_ticks()
+        self.groups.reset()  # (re)places the statistics: the policy may have moved to its device since
+        self.turns.reset()
         self._registry = BatchRegistry(plan)
         self.service_log = []
         self.update_timings = {"learner_service_s": 0.0}

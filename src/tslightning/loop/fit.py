@@ -34,7 +34,10 @@ from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
-from tslightning.loop.resume import check_resume, checkpointer, resume_from
+from tslightning.loop.preflight import preflight
+from tslightning.loop.resume import checkpointer, resume_from
+from tslightning.loop.run_config import resolved_config
+from tslightning.loop.run_directory import RunDirectory, open_run_directory
 from tslightning.loop.settings import (
     PARTITIONED,
     CheckpointSettings,
@@ -42,7 +45,6 @@ from tslightning.loop.settings import (
     ModelSettings,
     RolloutSettings,
     WarmStartSettings,
-    setting_problems,
 )
 from tslightning.loop.startup import (
     agent_limits,
@@ -51,7 +53,6 @@ from tslightning.loop.startup import (
     rollout_datamodule,
     start_engine,
     start_teacher,
-    training_tasks,
 )
 from tslightning.loop.updates import (
     FitResult,
@@ -83,6 +84,7 @@ def fit(
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
+    overwrite: bool = False,
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
@@ -101,7 +103,9 @@ def fit(
             swapped into the engines in flight, and ``staleness_bound`` limits the policy lag (GRPO).
         updates: Optimizer updates (logical batches).
         seed: Run seed: model init, task order, sampling seeds.
-        out_dir: Where the model, logs (CSV, TensorBoard), traces and the resolved config go.
+        out_dir: Where the model, logs (CSV, TensorBoard), traces, checkpoints and the resolved config (``config.yaml``,
+            re-runnable with ``--config``) go. It must not hold an earlier run's outputs unless ``resume`` continues
+            that run or ``overwrite`` replaces it.
         model: The policy and teacher.
         rollout: Rollout pool, tasks and agent limits.
         warm_start: Supervised warm start before RL.
@@ -118,7 +122,12 @@ def fit(
         checkpoint: When and where checkpoints are written.
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
-        callbacks: Extra Lightning callbacks (``class_path``/``init_args`` in configs), run after the built-in ones.
+            There is no warm start (the checkpoint holds the trained weights), and the resumed segment writes its own
+            ``config.resume-<n>.yaml`` and ``rewards.resume-<n>.json`` beside the run's.
+        overwrite: Replace the earlier run in ``out_dir``: remove what ``fit`` wrote there (config, logs, trace,
+            checkpoints, policy) before starting. Without it, a run into a used ``out_dir`` is refused.
+        callbacks: Extra callbacks (``class_path``/``init_args`` in configs), run after the built-in ones. The loop is
+            Fabric's, so Lightning's Trainer callbacks (ModelCheckpoint, Timer, ThroughputMonitor, ...) are refused.
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
@@ -128,19 +137,11 @@ def fit(
             replay (:mod:`tslightning.loop.batch_recording`); schedules ``sync``, ``thundersync`` and ``fully_async``.
     """
     arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
-    check_resume(resume, schedule)
-    problems = setting_problems(objective, schedule, context_backward, model, rollout, learner, checkpoint, resume)
-    if record_batches and schedule == "async":
-        problems.append(
-            "record_batches records sync, thundersync and fully_async updates; schedule async: set it false"
-        )
-    if problems:
-        raise ValueError("fit: " + "; ".join(problems))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(_resolved_config(arguments), indent=2, default=str))
+    tasks = preflight(**arguments)  # every problem at once, before anything is written
+    config = resolved_config(arguments)
+    run = open_run_directory(out_dir, config, resume, overwrite, checkpoint.dirpath if checkpoint.enabled else None)
+    out = run.path
     torch.manual_seed(seed)
-    tasks = training_tasks(rollout)
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     module_clips = learner.strategy in PARTITIONED  # gradients live in ZeRO's engine or in shards
     publisher = WeightPublisher(every_rank=learner.world_size > 1)  # its engine: this rank's, started after launch
@@ -160,12 +161,14 @@ def fit(
             MFUMonitor(available_flops=available_flops),
             recorder,
             *callbacks,
-            *([checkpointer(checkpoint, out, seed)] if checkpoint.enabled else []),  # last: it saves the others
+            *([checkpointer(checkpoint, out, seed, config)] if checkpoint.enabled else []),  # last: saves the others
         ],
     )
     fabric.launch()  # everything below runs once per learner rank, in one process group
     placement = launched_rank(fabric, learner)
-    policy, tokenizer, policy_dir = prepare_policy(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume))
+    policy, tokenizer, policy_dir = prepare_policy(
+        fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
+    )
     with contextlib.ExitStack() as started:
         with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
             context = agent_limits(rollout, policy.config).max_context_tokens
@@ -194,6 +197,7 @@ def fit(
             optimizer=optimizer,
             max_policy_lag=lag,
             context_backward=context_backward,
+            statistics_device=learner.statistics_device,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
@@ -205,7 +209,7 @@ def fit(
             datamodule,
             updates,
             progress,
-            out,
+            run,
             schedule,
             first,
             staleness_bound,
@@ -230,12 +234,13 @@ def _run_updates(
     datamodule,
     updates: int,
     progress: bool,
-    out: Path,
+    run: RunDirectory,
     schedule: str = "thundersync",
     first: int = 0,
     staleness_bound: int = 1,
     batches: Path | None = None,
 ) -> FitResult:
+    out = run.path
     result = FitResult(out_dir=str(out))
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
     bar = tqdm(range(first, updates), desc="updates", disable=not progress)
@@ -270,14 +275,10 @@ def _run_updates(
     for logger in fabric.loggers:
         logger.finalize("success")
     if fabric.global_rank == 0:  # the ranks share out_dir; the rewards are already over every rank's share
-        (out / "rewards.json").write_text(json.dumps(asdict(result), indent=2))
+        run.rewards_file.write_text(json.dumps(asdict(result), indent=2))
     if fabric.global_rank == 0 and (out / "trace").is_dir():  # the trace appears with the first finished update
         plot_timeline(out / "trace", out / "timeline.png")
     return result
-
-
-def _resolved_config(arguments: dict) -> dict:
-    return {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in arguments.items() if k != "out"}
 
 
 __all__ = [

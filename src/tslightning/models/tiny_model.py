@@ -30,6 +30,7 @@ __all__ = [
     "TinyModelConfig",
     "build_tiny_model",
     "build_tokenizer",
+    "tiny_qwen2_config",
     "load_tiny_model",
     "save_tiny_model",
 ]
@@ -183,22 +184,10 @@ def build_tokenizer(vocab_size: int = 512) -> transformers.PreTrainedTokenizerFa
     )
 
 
-def build_tiny_model(
+def tiny_qwen2_config(
     config: TinyModelConfig, tokenizer: transformers.PreTrainedTokenizerBase
-) -> transformers.Qwen2ForCausalLM:
-    """Build a randomly initialised Qwen2 causal LM sized for ``tokenizer``.
-
-    The weights depend only on ``config`` and ``len(tokenizer)``: the global torch RNG state and default dtype are
-    neither used nor changed.
-
-    Args:
-        config: Model shape and seed.
-        tokenizer: Tokenizer from :func:`build_tokenizer`; the model's vocabulary covers it and its special token ids
-            become the model's bos/eos/pad ids.
-
-    Returns:
-        A float32 model in eval mode.
-    """
+) -> transformers.Qwen2Config:
+    """The Hugging Face config of the tiny model of ``config`` sized for ``tokenizer`` (no weights built)."""
     vocab_size = -(-len(tokenizer) // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
     # Qwen2 has no BOS token in its tokenizer but uses <|endoftext|> as the config's bos id.
     bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id
@@ -220,6 +209,27 @@ def build_tiny_model(
         attn_implementation="sdpa",
         dtype=torch.float32,
     )
+    return hf_config
+
+
+def build_tiny_model(
+    config: TinyModelConfig, tokenizer: transformers.PreTrainedTokenizerBase
+) -> transformers.Qwen2ForCausalLM:
+    """Build a randomly initialised Qwen2 causal LM sized for ``tokenizer``.
+
+    The weights depend only on ``config`` and ``len(tokenizer)``: the global torch RNG state and default dtype are
+    neither used nor changed.
+
+    Args:
+        config: Model shape and seed.
+        tokenizer: Tokenizer from :func:`build_tokenizer`; the model's vocabulary covers it and its special token ids
+            become the model's bos/eos/pad ids.
+
+    Returns:
+        A float32 model in eval mode.
+    """
+    hf_config = tiny_qwen2_config(config, tokenizer)
+    bos_token_id = hf_config.bos_token_id
     default_dtype = torch.get_default_dtype()
     # Initialising in another default dtype would draw different weights for the same seed.
     torch.set_default_dtype(torch.float32)

@@ -27,7 +27,12 @@ from tslightning.rollout.action_parser import (
     parse_action,
 )
 from tslightning.rollout.engine import Generation, GenerationRequest, RolloutEngine, sampling_seed
-from tslightning.rollout.observation import ObservationWindow, keep_head_and_tail, status_line
+from tslightning.rollout.observation import (
+    ObservationWindow,
+    keep_head_and_tail,
+    keep_text_head_and_tail,
+    status_line,
+)
 
 
 @dataclass(frozen=True)
@@ -316,11 +321,10 @@ class AgentLoop:
         if isinstance(action, ShellCommand):
             outcome = await asyncio.to_thread(attempt.run_command, action.command)
             output = outcome.output if outcome.output.endswith("\n") or not outcome.output else outcome.output + "\n"
-            body = self._encode(output)
-            status = self._encode(status_line(outcome.exit_code, outcome.timed_out, outcome.limit_hit))
+            body, status = output, status_line(outcome.exit_code, outcome.timed_out, outcome.limit_hit)
         else:
             assert isinstance(action, ParseError)
-            body, status = self._encode(PARSER_ERROR_OBSERVATION), []
+            body, status = PARSER_ERROR_OBSERVATION, ""
         observation = closing + self.observation_tokens(body, status)
         if context + len(generation.token_ids) + len(observation) > self.limits.max_context_tokens:
             return closing, "context_limit"  # the observation would not fit; end without appending it
@@ -328,14 +332,24 @@ class AgentLoop:
 
     def observation_tokens(self, body: list[int] | str, status: list[int] | str = ()) -> list[int]:
         """The unscored tokens after a closed action: the observation message — ``body`` kept as head and tail
-        (Table 6), then ``status`` in full — and the next assistant header."""
-        body = self._encode(body) if isinstance(body, str) else list(body)
+        (Table 6; text is tokenized only as far as the window needs, see ``keep_text_head_and_tail``), then
+        ``status`` in full — and the next assistant header."""
+        kept = self._body_tokens(body) if isinstance(body, str) else self._window(list(body))
         status = self._encode(status) if isinstance(status, str) else list(status)
-        kept, _ = keep_head_and_tail(body, self.limits.observation, self._omission_marker)
         return self._observation_open + kept + status + self._observation_close
 
-    def _omission_marker(self, omitted: int) -> list[int]:
-        return self._encode(f"\n[... {omitted} tokens omitted ...]\n")
+    def _body_tokens(self, text: str) -> list[int]:
+        """``text``'s tokens as the observation window keeps them (already windowed)."""
+        return keep_text_head_and_tail(text, self.limits.observation, self._encode, self._omission_marker)
+
+    def _window(self, ids: list[int]) -> list[int]:
+        kept, _ = keep_head_and_tail(ids, self.limits.observation, lambda omitted: self._omission_marker(omitted, 0))
+        return kept
+
+    def _omission_marker(self, omitted_tokens: int, omitted_chars: int) -> list[int]:
+        if omitted_chars:
+            return self._encode(f"\n[... {omitted_chars} characters and {omitted_tokens} tokens omitted ...]\n")
+        return self._encode(f"\n[... {omitted_tokens} tokens omitted ...]\n")
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

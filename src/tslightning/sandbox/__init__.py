@@ -2,7 +2,10 @@
 
 ``AttemptDirectory`` holds one attempt's ``/app``, ``/tests``, ``/logs/verifier`` and ``/oracle``;
 ``make_sandbox(backend, attempt=...)`` gives a ``Sandbox`` whose ``run(command)`` returns a ``CommandResult``:
-exit status, bounded terminal output, and which ``SandboxLimits`` limit (if any) stopped the command.
+exit status, bounded terminal output, and which ``SandboxLimits`` limit (if any) stopped the command. In the default
+bubblewrap backend, pid 1 of each sandbox is :mod:`~tslightning.sandbox.init_process` (whole-command memory and
+disk, orphans of verifier runs), a :mod:`~tslightning.sandbox.syscall_filter` refuses keyrings, affinity changes and
+foreign limits, and :mod:`~tslightning.sandbox.file_tree` walks whatever trees a command leaves.
 
 Layer: at the bottom; imports nothing else of tslightning.
 """
@@ -15,7 +18,7 @@ from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.factory import Backend, make_sandbox
 from tslightning.sandbox.limits import OUTPUT_KILL_FACTOR, SandboxLimits
 from tslightning.sandbox.plain_subprocess import SubprocessSandbox
-from tslightning.sandbox.result import CommandResult, LimitName
+from tslightning.sandbox.result import CommandResult, LimitName, OrphanProcess
 
 __all__ = [
     "BASE_ENVIRONMENT",
@@ -28,6 +31,7 @@ __all__ = [
     "DockerSandbox",
     "LimitName",
     "Mount",
+    "OrphanProcess",
     "Sandbox",
     "SandboxError",
     "SandboxLimits",

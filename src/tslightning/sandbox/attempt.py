@@ -6,15 +6,15 @@ The layout is the one Harbor / Terminal-Bench 2 tasks expect: the agent works in
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Literal
+
+from tslightning.sandbox.file_tree import remove_tree
 
 Mount = Literal["app", "tests", "logs", "oracle"]
 
@@ -36,14 +36,24 @@ class AttemptDirectory:
             as symlinks). None leaves ``app/`` empty.
         parent: where to create the attempt (default: the system temp dir). Sandboxes that drop privileges need
             every directory above it to be traversable by their uid (``/tmp`` is).
+        hidden: host directories no command of this attempt may see even where the sandbox shows the host's system
+            directories (e.g. the task's own directory, with its tests and reference solution, when it is
+            installed under ``/usr``).
 
     Raises:
         FileNotFoundError: ``environment`` is given and is not a directory.
     """
 
-    def __init__(self, environment: str | os.PathLike[str] | None = None, *, parent: str | None = None) -> None:
+    def __init__(
+        self,
+        environment: str | os.PathLike[str] | None = None,
+        *,
+        parent: str | None = None,
+        hidden: Iterable[str | os.PathLike[str]] = (),
+    ) -> None:
         if environment is not None and not Path(environment).is_dir():
             raise FileNotFoundError(f"task environment directory {str(environment)!r} does not exist")
+        self.hidden: tuple[Path, ...] = tuple(Path(path) for path in hidden)
         self._root: Path | None = Path(tempfile.mkdtemp(prefix="tsl-attempt-", dir=parent))
         try:
             for subdir in _HOST_SUBDIRS.values():
@@ -93,11 +103,16 @@ class AttemptDirectory:
         return self.host_path("oracle")
 
     def close(self) -> None:
-        """Remove the attempt's directory and everything in it (also what the command made unwritable). Idempotent."""
+        """Remove the attempt's directory and everything in it, whatever the commands left there (unwritable or
+        unsearchable directories, trees of any depth, symlinks, FIFOs). Idempotent.
+
+        Raises:
+            OSError: something could not be removed (the message names it); the attempt counts as closed anyway.
+        """
         if self._root is None:
             return
         root, self._root = self._root, None
-        _remove_tree(root)
+        remove_tree(root)
 
     def __enter__(self) -> AttemptDirectory:
         return self
@@ -124,16 +139,3 @@ def validate_mounts(mounts: Iterable[str]) -> tuple[Mount, ...]:
     if unknown:
         raise ValueError(f"unknown mounts {sorted(unknown)}; choose from {list(MOUNT_POINTS)}")
     return tuple(m for m in MOUNT_POINTS if m in requested)
-
-
-def _remove_tree(root: Path) -> None:
-    # A command may leave directories without write or search permission; root removes them regardless, any other
-    # user first gives them back to itself (top-down, so each directory is opened after it was made searchable).
-    if os.geteuid() != 0:
-        for dirpath, dirnames, _ in os.walk(root):
-            for name in dirnames:
-                path = os.path.join(dirpath, name)
-                with contextlib.suppress(OSError):
-                    if not os.path.islink(path):
-                        os.chmod(path, os.lstat(path).st_mode | stat.S_IRWXU)
-    shutil.rmtree(root)

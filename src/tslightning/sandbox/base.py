@@ -36,6 +36,11 @@ class Sandbox(ABC):
         limits: the default limits of every ``run``.
     """
 
+    max_command_bytes: int | None = 128 * 1024 - 1
+    """Longest command (UTF-8 bytes) the backend can run, None for any length. Backends that pass the command as
+    one argument are bound by the kernel's ``MAX_ARG_STRLEN`` (128 KiB); a longer command is not run and its result
+    says so."""
+
     def __init__(self, attempt: AttemptDirectory, *, limits: SandboxLimits | None = None) -> None:
         self.attempt = attempt
         self.limits = limits if limits is not None else SandboxLimits()
@@ -48,33 +53,51 @@ class Sandbox(ABC):
         mounts: Collection[Mount] = ("app",),
         cwd: str = "/app",
         env: Mapping[str, str] | None = None,
+        verifier: bool = False,
     ) -> CommandResult:
         """Run ``command`` with ``bash -c`` and return what happened; the command's failures are never raised.
+
+        Whatever the text of ``command`` (an agent's), the result comes back: a command with a NUL character, or
+        one that is not encodable, is not run and its result says why (exit status 2, as bash gives a syntax error);
+        a command of any length runs (beyond the kernel's 128 KiB argument limit, bash reads it from a descriptor).
 
         Args:
             command: shell text, as typed in a terminal.
             limits: this run's limits (default: the sandbox's).
             mounts: which of the attempt's directories are visible (``MOUNT_POINTS``): the agent gets ``("app",)``,
-                a verifier ``("app", "tests", "logs")``; ``"oracle"`` only for reference solutions.
+                a verifier ``("app", "tests", "logs")``; ``"oracle"`` only for reference solutions. ``/tests`` is
+                read-only where the backend can bind it so.
             cwd: absolute working directory inside the sandbox; must exist there (a mount point, or ``/tmp``).
             env: variables added to ``BASE_ENVIRONMENT`` (and overriding it); nothing is inherited from the host.
+            verifier: run as a task's verifier, which may execute code the agent wrote: the backend's protections
+                of the verifier's own processes apply (``BubblewrapSandbox``: processes orphaned meanwhile are
+                killed at once and reported in the result, the shell cannot be traced, ``ptrace`` is refused).
 
         Raises:
-            ValueError: an argument is malformed (the message names it).
+            ValueError: an argument other than ``command``'s text is malformed (the message names it).
             SandboxError: the sandbox could not start the command.
             RuntimeError: the attempt was closed.
         """
-        if not isinstance(command, str) or "\0" in command:
-            raise ValueError("command must be a str without NUL characters")
+        if not isinstance(command, str):
+            raise ValueError(f"command must be a str (got {type(command).__name__})")
         if not cwd.startswith("/"):
             raise ValueError(f"cwd must be an absolute path inside the sandbox (got {cwd!r})")
         run_limits = limits if limits is not None else self.limits
         visible = validate_mounts(mounts)
         environment = command_environment(env)
         self.attempt.root  # noqa: B018 - raises when the attempt is closed
+        refusal = refuse_unrunnable(command, self.max_command_bytes)
+        if refusal is not None:
+            return refusal
         return supervise(
             lambda ready_fd: self._launch(
-                command, limits=run_limits, mounts=visible, cwd=cwd, env=environment, ready_fd=ready_fd
+                command,
+                limits=run_limits,
+                mounts=visible,
+                cwd=cwd,
+                env=environment,
+                ready_fd=ready_fd,
+                verifier=verifier,
             ),
             run_limits,
         )
@@ -89,8 +112,40 @@ class Sandbox(ABC):
         cwd: str,
         env: Mapping[str, str],
         ready_fd: int,
+        verifier: bool = False,
     ) -> Launch:
-        """How to start ``command`` in this backend; ``limits_script`` applies the kernel limits inside."""
+        """How to start ``command`` in this backend, which applies the kernel limits inside (``limits_script``, or
+        the sandbox's init)."""
+
+
+def refuse_unrunnable(command: str, max_bytes: int | None) -> CommandResult | None:
+    """The result of a command no shell can be given (a NUL character, text that is not encodable, or longer than
+    ``max_bytes``), else None: exit status 2 and one line saying why and what to do instead."""
+    problem = None
+    if "\0" in command:
+        problem = (
+            f"the command contains a NUL character (at character {command.index(chr(0))}), which a shell command "
+            "cannot hold; write binary data with printf escapes (printf '\\000')"
+        )
+    else:
+        try:
+            size = len(command.encode("utf-8", "surrogateescape"))
+        except UnicodeEncodeError as error:
+            problem = f"the command is not valid text ({error.reason} at character {error.start})"
+        else:
+            if max_bytes is not None and size > max_bytes:
+                problem = f"the command is {size} bytes, more than the {max_bytes} this sandbox runs; split it up"
+    if problem is None:
+        return None
+    return CommandResult(
+        exit_code=2,
+        output=f"tsl-sandbox: {problem}. It was not run.\n",
+        timed_out=False,
+        output_truncated=False,
+        signal=None,
+        limit_hit=None,
+        duration_s=0.0,
+    )
 
 
 def command_environment(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -133,6 +188,22 @@ def limits_script(limits: SandboxLimits, *, ready_fd: int | None, shell: str = "
         lines.append(f"printf . >&{ready_fd} && exec {ready_fd}>&- || exit 126")
     lines.append(f'exec {shell} -c "$1"')
     return "\n".join(lines)
+
+
+def kernel_limits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
+    """The rlimits (soft, hard) the sandbox's init gives each command, as ``limits_script`` sets them: CPU seconds
+    (SIGXCPU at the soft limit, SIGKILL one second later), address space and file size rounded down to KiB,
+    processes; each capped at the trainer's own hard limit."""
+    cpu_hard = _capped(resource.RLIMIT_CPU, limits.cpu_seconds + 1)
+    memory = _capped(resource.RLIMIT_AS, limits.memory_bytes) // 1024 * 1024
+    file_size = _capped(resource.RLIMIT_FSIZE, limits.file_size_bytes) // 1024 * 1024
+    processes = _capped(resource.RLIMIT_NPROC, limits.max_processes)
+    return {
+        "cpu": (min(limits.cpu_seconds, cpu_hard), cpu_hard),
+        "as": (memory, memory),
+        "fsize": (file_size, file_size),
+        "nproc": (processes, processes),
+    }
 
 
 def _capped(limit: int, value: int) -> int:

@@ -1,37 +1,67 @@
 """The default backend: each command in fresh bubblewrap namespaces, with only the attempt's directories writable.
 
-What a command sees: the host's ``/usr``, ``/etc`` (and ``/bin``, ``/sbin``, ``/lib*``) read-only; the requested
-attempt directories at ``/app``, ``/tests``, ``/logs/verifier``, ``/oracle``, writable; a private ``/proc`` (its own
-processes only), a minimal ``/dev``, private size-bounded ``/tmp`` and ``/dev/shm``; everything else read-only and
-empty. It has no network (own loopback only), its own IPC, UTS and cgroup namespaces, no capabilities, and it cannot
-create further user namespaces.
+What a command sees: the host's ``/usr``, ``/etc`` (and ``/bin``, ``/sbin``, ``/lib*``) read-only, except the
+tslightning package and the attempt's ``hidden`` paths (a task's own directory), which show as empty; the requested
+attempt directories at ``/app``, ``/logs/verifier``, ``/oracle`` writable and ``/tests`` read-only; a private
+``/proc`` (its own processes only), a minimal ``/dev``, private size-bounded ``/tmp`` and ``/dev/shm``; everything
+else read-only and empty. It has no network (own loopback only), its own IPC, UTS and cgroup namespaces, no
+capabilities, and it cannot create further user namespaces. A seccomp filter (:mod:`syscall_filter`) refuses the
+kernel keyrings, CPU-affinity changes and limits on other processes (and, in verifier runs, ``ptrace`` and its
+relatives).
+
+Pid 1 of each sandbox is :mod:`init_process` (bwrap ``--as-pid-1``), run with the trainer's Python interpreter: it
+starts the command, sums the memory of all its processes and the disk of the attempt (killing the command past
+``memory_bytes`` / ``disk_bytes``), kills processes orphaned during verifier runs, and when it exits the kernel
+kills whatever is left in the namespace, before ``run`` returns. bwrap's own arguments (the host paths of the
+attempt) are passed on a descriptor (``--args``), so they show neither in the host's process list nor in the
+sandbox's ``/proc/1/cmdline``; ``/proc/self/mountinfo`` does name the bind mounts' host directories, as the kernel
+reports them.
 
 Why the sandbox runs as an unprivileged host uid: the kernel never applies RLIMIT_NPROC to host root, so a fork bomb
 run as root would not be contained. When the trainer is root, bwrap is started as ``unprivileged_uid`` and maps it
 to uid 0 of a new user namespace: the command still sees itself as root (as in a Docker task image), but holds no
 privilege on the host, and the kernel counts its processes in that user namespace, so ``max_processes`` applies per
 command rather than being shared by all sandboxes. This needs unprivileged user namespaces (checked at
-construction). The attempt's directories are handed over to that uid before each run.
+construction). The attempt's writable directories are handed over to that uid before each run.
+
+No cgroup limits are used: this backend needs no root-only kernel feature and no delegated cgroup (the machines it
+was built on have neither cgroup v2 controllers nor delegation); memory and disk are bounded by the init's watch.
 """
 
 from __future__ import annotations
 
 import functools
+import marshal
 import os
 import shutil
+import stat
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
-from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, limits_script
-from tslightning.sandbox.errors import SandboxUnavailableError
+from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, kernel_limits
+from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
+from tslightning.sandbox.file_tree import chown_tree
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.syscall_filter import syscall_filter
 
 DEFAULT_UNPRIVILEGED_UID = 61000
 """Host uid (and gid) of sandboxed commands when the trainer runs as root; unassigned on common distributions."""
 
+RUN_DIR = "/run/tslightning"
+"""Where the sandbox's init and its helpers appear inside (read-only copies)."""
+GUARDED_BIN = f"{RUN_DIR}/bin"
+"""Verifier runs: a copy of bash that cannot be read (mode 0111), first on ``PATH``. A process started from an
+unreadable executable is not dumpable, so the verifier's shells cannot be traced nor their memory written through
+``/proc/PID/mem`` by the agent's code they run (this machine has no Yama ptrace restriction)."""
+
 _SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+_INIT_FILES = ("init_process.py", "file_tree.py")
+_TMPFS_POINTS = ("/tmp", "/dev/shm")
 
 BWRAP_MISSING = (
     "sandbox.backend='bubblewrap' needs the bwrap binary, which is not on PATH. Install it "
@@ -50,9 +80,11 @@ class BubblewrapSandbox(Sandbox):
             already unprivileged).
 
     Raises:
-        SandboxUnavailableError: bwrap is not installed, or cannot create namespaces here (the message names the
-            fix).
+        SandboxUnavailableError: bwrap is not installed, or cannot create namespaces here, or the trainer's Python
+            cannot run inside (the message names the fix).
     """
+
+    max_command_bytes = None  # the init hands a long command to bash on a descriptor
 
     def __init__(
         self,
@@ -80,18 +112,109 @@ class BubblewrapSandbox(Sandbox):
         cwd: str,
         env: Mapping[str, str],
         ready_fd: int,
+        verifier: bool = False,
     ) -> Launch:
         if self._host_uid is not None:
             _hand_over(self.attempt, mounts, self._host_uid)
-        argv = [self._bwrap, *_NAMESPACE_ARGS, *_system_binds(), *_private_dirs(limits.tmp_bytes)]
+        _unlock_mount_points(self.attempt, mounts)
+        passed = _Descriptors()
+        status_read, status_write = os.pipe()
+        passed.fds.append(status_write)
+        try:
+            config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
+            options = self._options(limits, mounts, cwd, env, verifier, passed)
+            init = [_interpreter(), "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
+            # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
+            options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
+        except BaseException:
+            passed.close()
+            os.close(status_read)
+            raise
+        return Launch(
+            argv=[self._bwrap, "--args", options_fd, "--", *init],
+            env={"PATH": DEFAULT_PATH},
+            user=self._host_uid,
+            pass_fds=tuple(passed.fds),
+            status_fd=status_read,
+        )
+
+    def _options(
+        self,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        verifier: bool,
+        passed: _Descriptors,
+    ) -> list[str]:
+        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
+        options = [*_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
+        options += _private_dirs(min(limits.tmp_bytes, limits.disk_bytes))
         for mount in mounts:
-            argv += ["--bind", str(self.attempt.host_path(mount)), MOUNT_POINTS[mount]]
+            bind = "--ro-bind" if mount == "tests" else "--bind"
+            options += [bind, str(self.attempt.host_path(mount)), MOUNT_POINTS[mount]]
+        options += _masks([_PACKAGE_DIR, *self.attempt.hidden])
+        options += ["--seccomp", passed.data(syscall_filter(verifier=verifier))]
+        for name in _INIT_FILES:
+            options += ["--ro-bind-data", passed.data(_init_source(name)), f"{RUN_DIR}/{name}"]
+        if verifier:
+            options += ["--perms", "0111", "--ro-bind-data", passed.file(_bash()), f"{GUARDED_BIN}/bash"]
         # Read-only from here on: the empty root (no new top-level dirs) and /dev (device nodes stay usable).
-        argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-        for name, value in env.items():
-            argv += ["--setenv", name, value]
-        argv += ["--", "/bin/bash", "-c", limits_script(limits, ready_fd=ready_fd), "tsl-sandbox", command]
-        return Launch(argv=argv, env={"PATH": DEFAULT_PATH}, user=self._host_uid)
+        options += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
+        for name, value in _command_env(env, verifier).items():
+            options += ["--setenv", name, value]
+        return options
+
+
+class _Descriptors:
+    """Descriptors handed to bwrap: in-memory files of data, or files opened read-only."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def data(self, content: bytes) -> str:
+        fd = os.memfd_create("tsl-sandbox")  # close-on-exec: only bwrap receives it (pass_fds)
+        self.fds.append(fd)
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return str(fd)
+
+    def file(self, path: str) -> str:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.fds.append(fd)
+        return str(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+def _init_config(
+    command: str, limits: SandboxLimits, mounts: tuple[Mount, ...], ready_fd: int, status_fd: int, verifier: bool
+) -> bytes:
+    """The configuration :mod:`init_process` reads (``marshal``-encoded)."""
+    config = {
+        "command": command,
+        "shell": f"{GUARDED_BIN}/bash" if verifier else "/bin/bash",
+        "rlimits": kernel_limits(limits),
+        "ready_fd": ready_fd,
+        "status_fd": status_fd,
+        "kill_orphans": verifier,
+        "memory_bytes": limits.memory_bytes,
+        "disk_bytes": limits.disk_bytes,
+        "disk_paths": [MOUNT_POINTS[mount] for mount in mounts if mount != "tests"],
+        "tmpfs_paths": list(_TMPFS_POINTS),
+    }
+    return marshal.dumps(config)
+
+
+def _command_env(env: Mapping[str, str], verifier: bool) -> dict[str, str]:
+    if not verifier:
+        return dict(env)
+    return {**env, "PATH": f"{GUARDED_BIN}:{env.get('PATH', DEFAULT_PATH)}"}
 
 
 _NAMESPACE_ARGS = (
@@ -113,6 +236,53 @@ def _system_binds() -> list[str]:
     return args
 
 
+@functools.cache
+def _interpreter() -> str:
+    """The Python that runs the init inside (it needs the standard library with ``ctypes``, Python >= 3.9): the
+    trainer's own when the system binds show it, else the system's ``python3``, else the trainer's with its
+    installation bound read-only (the sandbox's uid must be able to read it)."""
+    own = os.path.realpath(sys.executable)
+    system = shutil.which("python3", path=DEFAULT_PATH)
+    for candidate in (own, os.path.realpath(system) if system else None):
+        if candidate and _under(candidate, _system_roots()):
+            return candidate
+    return own
+
+
+def _interpreter_binds() -> list[str]:
+    """The interpreter's installation, read-only at its host path, when it is outside the system directories."""
+    if _under(_interpreter(), _system_roots()):
+        return []
+    prefix = os.path.realpath(sys.base_prefix)
+    return ["--ro-bind", prefix, prefix]
+
+
+@functools.cache
+def _system_roots() -> tuple[str, ...]:
+    return tuple(os.path.realpath(p) for p in _SYSTEM_PATHS if os.path.exists(p))
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == root or real.startswith(root + "/") for root in roots)
+
+
+def _visible(path: str) -> bool:
+    """Whether a host path shows inside the sandbox through its read-only binds."""
+    binds = _interpreter_binds()
+    return _under(path, (*_system_roots(), *binds[1:2]))
+
+
+def _masks(paths: Iterable[Path]) -> list[str]:
+    """An empty read-only tmpfs over each path the binds would show (the package's task library, a task's own
+    directory): a non-editable install under ``/usr`` would otherwise expose every task's tests and solution."""
+    args: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in paths}):
+        if os.path.isdir(path) and _visible(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+    return args
+
+
 def _private_dirs(tmp_bytes: int) -> list[str]:
     return [
         "--proc", "/proc",
@@ -122,35 +292,60 @@ def _private_dirs(tmp_bytes: int) -> list[str]:
     ]  # fmt: skip
 
 
-def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -> None:
-    """Give ``uid`` ownership of the mounted directories (and their parents up to the attempt root).
+@functools.cache
+def _init_source(name: str) -> bytes:
+    return (Path(__file__).parent / name).read_bytes()
 
-    Files the host adds to an attempt (a task's tests, before the verifier runs) are owned by the trainer's user;
-    without this the sandbox, running as ``uid``, could read but not write them, unlike in a Docker task image.
-    The walk is descriptor-based and never follows symlinks (``os.fwalk``), so a command that swaps a directory for
-    a symlink (in a concurrent run on the same attempt) cannot redirect this root-owned chown onto host files.
+
+@functools.cache
+def _bash() -> str:
+    return os.path.realpath(shutil.which("bash", path=DEFAULT_PATH) or "/bin/bash")
+
+
+def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -> None:
+    """Give ``uid`` ownership of the writable mounted directories (and the attempt root's path down to them).
+
+    Files the host adds to an attempt (the task's environment, a reference solution) are owned by the trainer's
+    user; without this the sandbox, running as ``uid``, could read but not write them, unlike in a Docker task
+    image. The walk is iterative and descriptor-based and never follows symlinks (:mod:`file_tree`), so neither a
+    deep tree nor a directory swapped for a symlink can make this root-owned chown fail or reach host files.
+    ``/tests`` is bound read-only and stays the trainer's.
+
+    Raises:
+        SandboxError: the tree changed under the walk.
     """
     root = attempt.root
+    try:
+        for mount in mounts:
+            top = attempt.host_path(mount)
+            for parent in (root, *(p for p in top.parents if root in p.parents)):
+                os.chown(parent, uid, uid, follow_symlinks=False)
+            if mount == "tests":
+                continue
+            chown_tree(top, uid, uid)
+    except OSError as error:
+        raise SandboxError(f"could not hand the attempt's directories to uid {uid}: {error}") from error
+
+
+def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...]) -> None:
+    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again: a command may lock its own
+    ``/app`` (``chmod 000 /app``), and bwrap could then not even enter it for the next command."""
     for mount in mounts:
         top = attempt.host_path(mount)
-        for parent in (root, *(p for p in top.parents if root in p.parents)):
-            _own(str(parent), uid)
-        for _, dirnames, filenames, dir_fd in os.fwalk(top, follow_symlinks=False):
-            _own(".", uid, dir_fd)
-            for name in (*dirnames, *filenames):
-                _own(name, uid, dir_fd)
-
-
-def _own(path: str, uid: int, dir_fd: int | None = None) -> None:
-    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    if st.st_uid != uid or st.st_gid != uid:
-        os.chown(path, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+        mode = stat.S_IMODE(os.lstat(top).st_mode)
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(top, mode | stat.S_IRWXU)
 
 
 @functools.cache
 def _check_namespaces(bwrap: str, host_uid: int | None) -> None:
-    """Start one trivial sandbox with the namespaces ``run`` uses; raise with the fix when the kernel refuses."""
-    probe = [bwrap, *_NAMESPACE_ARGS, *_system_binds(), *_private_dirs(2**20), "--", "true"]
+    """Start one trivial sandbox with the namespaces, filter and interpreter ``run`` uses; raise with the fix when
+    the kernel refuses, or when the trainer's Python cannot run the init inside."""
+    seccomp = os.memfd_create("tsl-probe")
+    os.write(seccomp, syscall_filter())
+    os.lseek(seccomp, 0, os.SEEK_SET)
+    probe = [bwrap, *_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds(), *_private_dirs(2**20)]
+    probe += ["--seccomp", str(seccomp), "--", _interpreter(), "-I", "-S", "-B", "-c", "import ctypes, marshal"]
     try:
         result = subprocess.run(
             probe,
@@ -161,15 +356,22 @@ def _check_namespaces(bwrap: str, host_uid: int | None) -> None:
             user=host_uid,
             group=host_uid,
             extra_groups=[] if host_uid is not None else None,
+            pass_fds=(seccomp,),
         )
     except (OSError, subprocess.SubprocessError) as err:
         raise SandboxUnavailableError(f"sandbox.backend='bubblewrap': could not start bwrap: {err}") from err
+    finally:
+        os.close(seccomp)
+    _raise_for_probe(result, host_uid)
+
+
+def _raise_for_probe(result: subprocess.CompletedProcess, host_uid: int | None) -> None:
     if result.returncode != 0 and "Unknown option" in result.stderr:
         raise SandboxUnavailableError(
             f"sandbox.backend='bubblewrap' needs bwrap >= 0.8.0 (for --disable-userns and --size): "
             f"{result.stderr.strip()}. Install a newer bubblewrap, or choose sandbox.backend='docker'."
         )
-    if result.returncode != 0:
+    if result.returncode != 0 and result.stderr.startswith("bwrap:"):
         who = f"as uid {host_uid}" if host_uid is not None else "as this user"
         raise SandboxUnavailableError(
             f"sandbox.backend='bubblewrap': bwrap cannot create its namespaces {who}: {result.stderr.strip()}. "
@@ -177,4 +379,10 @@ def _check_namespaces(bwrap: str, host_uid: int | None) -> None:
             "kernel.unprivileged_userns_clone=1 (older Debian), kernel.apparmor_restrict_unprivileged_userns=0 "
             "(Ubuntu >= 23.10) or an AppArmor profile for bwrap; inside a container, run it with "
             "--security-opt seccomp=unconfined or choose sandbox.backend='docker' on the host."
+        )
+    if result.returncode != 0:
+        raise SandboxUnavailableError(
+            f"sandbox.backend='bubblewrap': the sandbox's init needs the trainer's Python ({_interpreter()}) with "
+            f"ctypes inside the sandbox, and it failed there: {result.stderr.strip()[-500:]}. Run the trainer with "
+            "a Python whose installation is readable by the sandbox's uid (e.g. the system's /usr/bin/python3)."
         )

@@ -2,6 +2,9 @@
 
 Compared with ``BubblewrapSandbox`` it bounds memory and processes for the whole command with cgroups
 (``--memory``, ``--pids-limit``) and runs a task's own image, at the cost of a container start per command.
+Docker's default seccomp profile refuses the kernel keyrings. Not enforced here: ``disk_bytes`` (only
+``file_size_bytes`` per file and the ``/tmp`` tmpfs size), CPU affinity, and the verifier-run protections of
+``BubblewrapSandbox`` (orphans killed, untraceable shell); ``/tests`` is mounted read-only.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class DockerSandbox(Sandbox):
         cwd: str,
         env: Mapping[str, str],
         ready_fd: int,
+        verifier: bool = False,
     ) -> Launch:
         name = f"tsl-sandbox-{uuid.uuid4().hex[:16]}"
         argv = [
@@ -61,7 +65,11 @@ class DockerSandbox(Sandbox):
             "--workdir", cwd,
         ]  # fmt: skip
         for mount in mounts:
-            argv += ["--mount", f"type=bind,source={self.attempt.host_path(mount)},target={MOUNT_POINTS[mount]}"]
+            readonly = ",readonly" if mount == "tests" else ""
+            argv += [
+                "--mount",
+                f"type=bind,source={self.attempt.host_path(mount)},target={MOUNT_POINTS[mount]}{readonly}",
+            ]
         for variable in env:
             argv += ["--env", variable]  # the value is taken from the client's environment, not its argv
         # The readiness descriptor does not cross into a container: setup failures show as docker's exit status 125.

@@ -13,9 +13,9 @@ _MIN_OUTPUT_BYTES = 64
 class SandboxLimits:
     """What one command may use before it is stopped; every backend applies all of them.
 
-    The per-process kernel limits (``cpu_seconds``, ``memory_bytes``, ``file_size_bytes``) bind each process of the
-    command separately: a command that forks N children may use up to N times as much in total. ``timeout_s`` and
-    ``max_processes`` bound the whole command.
+    ``timeout_s``, ``max_processes``, ``memory_bytes`` and ``disk_bytes`` bound the whole command; ``cpu_seconds``
+    and ``file_size_bytes`` bind each process (or file) separately. Where each is enforced, per backend: see
+    README's "Tasks and the agent sandbox" and :class:`~tslightning.sandbox.bubblewrap.BubblewrapSandbox`.
 
     Raises:
         ValueError: at construction, naming every field whose value is invalid.
@@ -27,11 +27,19 @@ class SandboxLimits:
     cpu_seconds: int = 120
     """CPU time per process (RLIMIT_CPU): SIGXCPU at this many seconds, SIGKILL one second later."""
     memory_bytes: int = 2 * 2**30
-    """Address space per process (RLIMIT_AS), rounded down to KiB. Allocations beyond it fail (MemoryError, ENOMEM);
-    runtimes that reserve large virtual ranges up front (JVM, Go, some JITs) may need more."""
+    """Memory of the command, twice: the address space of each process (RLIMIT_AS, rounded down to KiB: allocations
+    beyond it fail with MemoryError / ENOMEM; runtimes that reserve large virtual ranges up front, such as the JVM
+    or Go, may need more), and the resident memory of all its processes together (the sandbox's init sums it every
+    0.1 s and kills the whole command beyond it: ``limit_hit="memory"``)."""
     file_size_bytes: int = 256 * 2**20
     """Largest file any process may write (RLIMIT_FSIZE), rounded down to KiB: a larger write fails with SIGXFSZ or
-    EFBIG. Bounds each file, not the total written."""
+    EFBIG. Bounds each file; ``disk_bytes`` bounds the total."""
+    disk_bytes: int = 10 * 2**30
+    """Disk the attempt may use in all: its writable directories (``/app``, and ``/logs/verifier`` / ``/oracle``
+    when mounted) and the private ``/tmp`` and ``/dev/shm``, each file, directory or link counting at least 4 KiB
+    (so the number of files is bounded too). The sandbox's init sums it every 0.25 s or more and
+    kills the command once the total exceeds this (or what was already used when the command started, if more):
+    ``limit_hit="disk"``. Between two checks a command can overshoot by what it writes in that time."""
     max_processes: int = 256
     """Tasks (processes and threads) alive at once in the command (RLIMIT_NPROC, counted per sandbox: see
     ``BubblewrapSandbox``); a fork beyond it fails with EAGAIN."""
@@ -40,7 +48,8 @@ class SandboxLimits:
     dropped, and a marker says how much. A command that writes more than ``OUTPUT_KILL_FACTOR`` times this is
     killed."""
     tmp_bytes: int = 512 * 2**20
-    """Size of the private in-memory ``/tmp`` (and ``/dev/shm``) where the backend provides one."""
+    """Size of the private in-memory ``/tmp`` (and ``/dev/shm``) where the backend provides one (at most
+    ``disk_bytes``)."""
 
     def __post_init__(self) -> None:
         problems = [problem for f in fields(self) if (problem := self._problem(f.name)) is not None]
@@ -55,7 +64,12 @@ class SandboxLimits:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             return f"sandbox.limits.{name} must be an int (got {value!r})"
-        minimum = {"memory_bytes": _MIN_MEMORY_BYTES, "max_output_bytes": _MIN_OUTPUT_BYTES, "tmp_bytes": 2**20}
+        minimum = {
+            "memory_bytes": _MIN_MEMORY_BYTES,
+            "max_output_bytes": _MIN_OUTPUT_BYTES,
+            "tmp_bytes": 2**20,
+            "disk_bytes": 2**20,
+        }
         floor = minimum.get(name, 1)
         if value < floor:
             return f"sandbox.limits.{name} must be >= {floor} (got {value!r})"

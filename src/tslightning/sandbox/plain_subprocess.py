@@ -47,6 +47,7 @@ class SubprocessSandbox(Sandbox):
         cwd: str,
         env: Mapping[str, str],
         ready_fd: int,
+        verifier: bool = False,
     ) -> Launch:
         script = limits_script(limits, ready_fd=ready_fd, shell=self._bash)
         return Launch(argv=[self._bash, "-c", script, "tsl-sandbox", command], env=env, cwd=self._host_cwd(cwd))

@@ -5,7 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-LimitName = Literal["timeout", "memory", "file_size", "processes", "cpu", "output"]
+LimitName = Literal["timeout", "memory", "disk", "file_size", "processes", "cpu", "output"]
+
+
+@dataclass(frozen=True)
+class OrphanProcess:
+    """A process orphaned while a verifier ran (its parent exited, so nothing of the verifier waited for it), which
+    the sandbox killed (or reaped) at once."""
+
+    pid: int
+    """Its pid inside the sandbox."""
+    name: str
+    """Its command name (``/proc/PID/comm``), ``"?"`` when it was gone before it could be read."""
+    died_ns: int
+    """``CLOCK_REALTIME`` nanoseconds (as ``time.time_ns``) by which it was dead."""
 
 
 @dataclass(frozen=True)
@@ -14,7 +27,8 @@ class CommandResult:
 
     exit_code: int | None
     """The status a shell would show as ``$?`` (128 + N when signal N ended the command), or None when the sandbox
-    itself killed the command (timeout, output flood)."""
+    itself killed the command (timeout, output flood, memory or disk of the whole command), or did not run it
+    (a command with a NUL character)."""
     output: str
     """stdout and stderr interleaved in the order written, as in a terminal, decoded as UTF-8 with
     ``errors="replace"``. When truncated, the head and tail are joined by a line naming the bytes dropped."""
@@ -28,10 +42,22 @@ class CommandResult:
     as it would in a shell."""
     limit_hit: LimitName | None
     """Which limit stopped or constrained the command, when detectable (see ``tslightning.sandbox.supervision``):
-    evidence of a kernel limit (processes, memory, file_size, cpu) first, then the sandbox's own kill (timeout,
-    output), then a truncated output."""
+    the sandbox's own watch over the whole command (memory, disk) first, then evidence of a kernel limit (processes,
+    memory, file_size, cpu), then the sandbox's own kill (timeout, output), then a truncated output."""
     duration_s: float
     """Wall-clock seconds from launch until the command and all its processes were gone."""
+    orphans: tuple[OrphanProcess, ...] = ()
+    """Verifier runs (``Sandbox.run(..., verifier=True)``): the first orphans killed (see ``orphan_count``)."""
+    orphan_count: int = 0
+    """Verifier runs: how many processes were orphaned while the command ran (all killed at once)."""
+    last_orphan_death_ns: int | None = None
+    """Verifier runs: ``CLOCK_REALTIME`` nanoseconds by which the last orphan was dead; None when there was none.
+    A file last changed before then may have been written by an orphan."""
+    peak_memory_bytes: int | None = None
+    """The largest resident memory of the whole command seen by the sandbox's watch (None where not watched)."""
+    disk_bytes: int | None = None
+    """Disk used by the attempt's writable directories and private ``/tmp`` at the last check (None where not
+    watched)."""
 
     @property
     def ok(self) -> bool:

@@ -9,6 +9,7 @@ process exits (background jobs do not outlive a command), and classifies the res
 from __future__ import annotations
 
 import contextlib
+import marshal
 import os
 import re
 import selectors
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import OUTPUT_KILL_FACTOR, SandboxLimits
 from tslightning.sandbox.output import BoundedOutput
-from tslightning.sandbox.result import CommandResult, LimitName
+from tslightning.sandbox.result import CommandResult, LimitName, OrphanProcess
 
 _CHUNK = 64 * 1024
 _GRACE_S = 5.0
@@ -53,6 +54,12 @@ class Launch:
     stop_outside_group: Callable[[], None] | None = None
     """Stops what the launch started outside its own process group (a container); called when the sandbox kills
     the command, after SIGKILL to the group."""
+    pass_fds: tuple[int, ...] = ()
+    """Further descriptors the launched process inherits under the same numbers (bwrap's arguments, filter, init
+    sources, configuration); ``supervise`` closes them once the process is started."""
+    status_fd: int | None = None
+    """Read end of the pipe on which the sandbox's init writes its status (see
+    :mod:`tslightning.sandbox.init_process`); ``supervise`` reads and closes it once the command is over."""
 
 
 def supervise(build_launch: Callable[[int], Launch], limits: SandboxLimits) -> CommandResult:
@@ -70,10 +77,14 @@ def supervise(build_launch: Callable[[int], Launch], limits: SandboxLimits) -> C
         SandboxError: the sandbox could not start the command (its own error message is included).
     """
     ready_read, ready_write = os.pipe()
+    launch: Launch | None = None
     try:
         launch = build_launch(ready_write)
         start = time.monotonic()
-        proc = _spawn(launch, ready_write)
+        try:
+            proc = _spawn(launch, ready_write)
+        finally:
+            _close(launch.pass_fds)
         os.close(ready_write)
         ready_write = -1
         try:
@@ -82,16 +93,17 @@ def supervise(build_launch: Callable[[int], Launch], limits: SandboxLimits) -> C
             _reap(proc)
         duration = time.monotonic() - start
         started = _read_ready(ready_read)
+        status = _read_status(launch.status_fd)
     finally:
-        for fd in (ready_read, ready_write):
-            if fd >= 0:
-                os.close(fd)
+        _close(
+            fd for fd in (ready_read, ready_write, launch.status_fd if launch else None) if fd is not None and fd >= 0
+        )
     if launch.reports_readiness and not started and killed_for is None:
         raise SandboxError(
             f"the sandbox could not start the command (launcher exit status {proc.returncode}): "
             f"{output.text().strip()[-2000:]}"
         )
-    return _result(proc.returncode, output, killed_for, duration)
+    return _result(proc.returncode, output, killed_for, duration, status)
 
 
 def _spawn(launch: Launch, ready_write: int) -> subprocess.Popen[bytes]:
@@ -103,7 +115,7 @@ def _spawn(launch: Launch, ready_write: int) -> subprocess.Popen[bytes]:
         env=dict(launch.env),
         cwd=launch.cwd,
         start_new_session=True,  # its own process group, so the whole tree can be killed at once
-        pass_fds=(ready_write,),
+        pass_fds=(ready_write, *launch.pass_fds),
         user=launch.user,
         group=launch.user,
         extra_groups=[] if launch.user is not None else None,
@@ -177,6 +189,28 @@ def _kill_process_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _close(fds) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _read_status(fd: int | None) -> dict | None:
+    """The init's status, or None when it wrote none (it was killed: timeout, output flood)."""
+    if fd is None:
+        return None
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, _CHUNK):
+            chunks.append(chunk)
+    try:
+        status = marshal.loads(b"".join(chunks))  # written by the sandbox's init only, never by the command
+    except (EOFError, ValueError, TypeError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
 def _read_ready(fd: int) -> bool:
     os.set_blocking(fd, False)
     try:
@@ -192,7 +226,11 @@ def _signal_name(number: int) -> str | None:
         return None
 
 
-def _result(returncode: int, output: BoundedOutput, killed_for: LimitName | None, duration: float) -> CommandResult:
+def _result(
+    returncode: int, output: BoundedOutput, killed_for: LimitName | None, duration: float, status: dict | None
+) -> CommandResult:
+    watched = status or {}
+    killed_for = killed_for or watched.get("limit")  # the init's watch over the whole command
     exit_code: int | None
     if killed_for is not None:
         exit_code, signal_name = None, "SIGKILL"
@@ -201,6 +239,7 @@ def _result(returncode: int, output: BoundedOutput, killed_for: LimitName | None
     else:
         exit_code, signal_name = returncode, _signal_name(returncode - 128) if returncode > 128 else None
     text = output.text()
+    orphans = tuple(OrphanProcess(o["pid"], o["name"], o["died_ns"]) for o in watched.get("orphans", ()))
     return CommandResult(
         exit_code=exit_code,
         output=text,
@@ -209,6 +248,11 @@ def _result(returncode: int, output: BoundedOutput, killed_for: LimitName | None
         signal=signal_name,
         limit_hit=classify_limit(text, signal_name, killed_for, output.truncated),
         duration_s=duration,
+        orphans=orphans,
+        orphan_count=watched.get("orphan_count", 0),
+        last_orphan_death_ns=watched.get("last_orphan_death_ns"),
+        peak_memory_bytes=watched.get("peak_memory_bytes"),
+        disk_bytes=watched.get("disk_bytes"),
     )
 
 
@@ -217,6 +261,7 @@ def classify_limit(
 ) -> LimitName | None:
     """Which limit stopped or constrained a command, in order of how much it explains.
 
+    0. The sandbox's own watch over the whole command (``memory``, ``disk``: exact, it killed the command).
     1. A kernel limit: its signal (SIGXFSZ → ``file_size``, SIGXCPU → ``cpu``; exact), else the message the failing
        program printed (``fork: retry: Resource temporarily unavailable`` → ``processes``, ``MemoryError`` /
        ``Cannot allocate memory`` → ``memory``, ...; a heuristic over the kept output: a command can print these
@@ -227,6 +272,8 @@ def classify_limit(
     A fork bomb that runs into the process limit and is then timed out is therefore ``processes`` (with
     ``timed_out`` True).
     """
+    if killed_for in ("memory", "disk"):
+        return killed_for
     if signal_name in _SIGNAL_LIMITS:
         return _SIGNAL_LIMITS[signal_name]
     for limit, pattern in _EVIDENCE:

@@ -17,13 +17,26 @@ A verifier reports ``p`` in ``/logs/verifier/`` through one of two files; ``rewa
 
 A missing, unreadable or malformed file never raises and never passes silently: it scores 0 and
 :attr:`RewardReading.error` says what was wrong.
+
+**Integrity.** A verifier may execute code the agent wrote, as the same user, in the same ``/logs/verifier``. The
+reader therefore accepts only what an honest verifier leaves: a log directory that is still an owner-writable
+directory; reward files that are regular files (not symlinks, directories or FIFOs: opened with ``O_NOFOLLOW`` and
+without blocking) with one link and owner read and write permission, as a plain write leaves them; and when both
+files exist, the same pass fraction in each (an honest verifier writes both from the same counts, so a file forged
+beside the verifier's own, or a verifier write that failed on a file forged before it, disagrees). Anything else
+scores 0 with a reason. What the sandbox adds (a fresh, empty directory per verification, read-only tests, every
+process of the verifier gone before the files are read, orphans' writes detected) is in
+:mod:`tslightning.tasks.verifier`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -33,6 +46,12 @@ RewardScheme = Literal["binary", "seta"]
 REWARD_TXT = "reward.txt"
 REWARD_JSON = "reward.json"
 MAX_REWARD_FILE_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in ``reward.json`` (the documented shapes need 1)."""
+MAX_INT_DIGITS = 18
+"""Longest integer accepted in ``reward.json``: test counts, far below Python's 4300-digit conversion limit."""
+FRACTION_TOLERANCE = 1e-6
+"""How closely ``reward.txt`` and ``reward.json`` must agree when both exist (``reward.txt`` is often ``%.6f``)."""
 
 
 def binary_reward(passed_fraction: float) -> float:
@@ -76,6 +95,8 @@ class RewardReading:
         reported_reward: The verifier's own ``reward`` beside the counts (informational).
         source: The file read (``reward.json`` or ``reward.txt``), ``None`` when neither was usable.
         error: Why no fraction could be read (``None`` when ``passed_fraction`` is set).
+        changed_ns: When the reward files last changed (their latest ``st_ctime_ns``, which no process can set),
+            ``None`` when none was read.
     """
 
     passed_fraction: float | None
@@ -84,6 +105,7 @@ class RewardReading:
     reported_reward: float | None = None
     source: str | None = None
     error: str | None = None
+    changed_ns: int | None = None
 
     def reward(self, scheme: RewardScheme) -> float:
         """The reward under ``scheme``; 0.0 when the files were missing or malformed."""
@@ -111,11 +133,19 @@ def parse_reward_txt(text: str) -> float:
 
 
 def parse_reward_json(text: str) -> RewardReading:
-    """Parse ``reward.json`` (see the module docstring for the accepted shapes)."""
+    """Parse ``reward.json`` (see the module docstring for the accepted shapes); malformed text of any kind (deep
+    nesting, huge numbers, ``NaN``) raises :class:`RewardFileError` only."""
+    depth = _nesting_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise RewardFileError(f"{REWARD_JSON} nests {depth} levels of arrays or objects; at most {MAX_JSON_DEPTH}")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as error:
         raise RewardFileError(f"{REWARD_JSON} is not valid JSON ({error.msg} at line {error.lineno})") from None
+    except RewardFileError:
+        raise
+    except (RecursionError, ValueError) as error:
+        raise RewardFileError(f"{REWARD_JSON} cannot be read as JSON ({_preview(str(error))})") from None
     if not isinstance(data, dict):
         raise RewardFileError(f"{REWARD_JSON} must be a JSON object; got {type(data).__name__}")
     if "tests_passed" in data or "tests_total" in data:
@@ -128,32 +158,124 @@ def parse_reward_json(text: str) -> RewardReading:
     )
 
 
+_READERS = ((REWARD_JSON, parse_reward_json), (REWARD_TXT, parse_reward_txt))
+
+
 def read_reward_files(logs_dir: Path) -> RewardReading:
     """Read the verifier's reward from ``logs_dir`` (``reward.json`` first, then ``reward.txt``); never raises.
 
-    A reward file that is a symbolic link, or larger than :data:`MAX_REWARD_FILE_BYTES`, is refused: the verifier
-    may run commands the agent wrote, and the host must not follow them outside the attempt.
+    Both files are checked when both exist (see "Integrity" in the module docstring); neither is ever followed
+    through a symbolic link, and the host never blocks on what it opens.
     """
-    for name, parse in ((REWARD_JSON, parse_reward_json), (REWARD_TXT, parse_reward_txt)):
-        path = Path(logs_dir) / name
-        if path.is_symlink():
-            return RewardReading(passed_fraction=None, source=name, error=f"{name} is a symbolic link; refused")
-        if not path.is_file():
-            continue
-        try:
-            with path.open("rb") as file:
-                data = file.read(MAX_REWARD_FILE_BYTES + 1)
-            if len(data) > MAX_REWARD_FILE_BYTES:
-                raise RewardFileError(f"{name} is larger than {MAX_REWARD_FILE_BYTES} bytes")
-            parsed = parse(data.decode("utf-8"))
-        except (OSError, UnicodeDecodeError) as error:
-            return RewardReading(passed_fraction=None, source=name, error=f"cannot read {name}: {error}")
-        except RewardFileError as error:
-            return RewardReading(passed_fraction=None, source=name, error=str(error))
-        if isinstance(parsed, RewardReading):
-            return parsed
-        return RewardReading(passed_fraction=parsed, source=name)
-    return RewardReading(passed_fraction=None, error=f"the verifier wrote neither {REWARD_JSON} nor {REWARD_TXT}")
+    try:
+        directory = os.open(logs_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        return RewardReading(passed_fraction=None, error=f"cannot open the verifier's log directory: {error}")
+    try:
+        mode = stat.S_IMODE(os.fstat(directory).st_mode)
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            error = f"the verifier's log directory had its permissions changed (mode {mode:o}); refused"
+            return RewardReading(passed_fraction=None, error=error)
+        readings = [_read_one(directory, name, parse) for name, parse in _READERS]
+    finally:
+        os.close(directory)
+    return _combine([reading for reading in readings if reading is not None])
+
+
+def _read_one(directory: int, name: str, parse) -> RewardReading | None:
+    """One reward file's reading, None when it is absent."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return _refused(name, "is a symbolic link")
+        return RewardReading(passed_fraction=None, source=name, error=f"cannot read {name}: {error}")
+    try:
+        info = os.fstat(fd)
+        problem = _tampered(info)
+        if problem is not None:
+            return _refused(name, problem)
+        data = os.read(fd, MAX_REWARD_FILE_BYTES + 1)
+    except OSError as error:
+        return RewardReading(passed_fraction=None, source=name, error=f"cannot read {name}: {error}")
+    finally:
+        os.close(fd)
+    try:
+        if len(data) > MAX_REWARD_FILE_BYTES:
+            raise RewardFileError(f"{name} is larger than {MAX_REWARD_FILE_BYTES} bytes")
+        parsed = parse(data.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        error_text = f"cannot read {name}: not UTF-8 text ({error.reason} at byte {error.start})"
+        return RewardReading(passed_fraction=None, source=name, error=error_text, changed_ns=info.st_ctime_ns)
+    except RewardFileError as error:
+        return RewardReading(passed_fraction=None, source=name, error=str(error), changed_ns=info.st_ctime_ns)
+    reading = parsed if isinstance(parsed, RewardReading) else RewardReading(passed_fraction=parsed, source=name)
+    return replace(reading, changed_ns=info.st_ctime_ns)
+
+
+def _tampered(info: os.stat_result) -> str | None:
+    """Why a reward file is not what a plain write by the verifier leaves, or None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_nlink != 1:
+        return f"has {info.st_nlink} hard links"
+    if stat.S_IMODE(info.st_mode) & (stat.S_IRUSR | stat.S_IWUSR) != stat.S_IRUSR | stat.S_IWUSR:
+        return f"had its permissions changed (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _refused(name: str, problem: str) -> RewardReading:
+    return RewardReading(passed_fraction=None, source=name, error=f"{name} {problem}; refused")
+
+
+def _combine(readings: list[RewardReading]) -> RewardReading:
+    """``reward.json``'s reading (else ``reward.txt``'s), refused when the other file is bad or disagrees."""
+    if not readings:
+        return RewardReading(passed_fraction=None, error=f"the verifier wrote neither {REWARD_JSON} nor {REWARD_TXT}")
+    changed = max((r.changed_ns for r in readings if r.changed_ns is not None), default=None)
+    bad = next((r for r in readings if r.error is not None), None)
+    if bad is not None:
+        return replace(bad, changed_ns=changed)
+    first = readings[0]
+    for other in readings[1:]:
+        if abs(other.passed_fraction - first.passed_fraction) > FRACTION_TOLERANCE:
+            error = (
+                f"{first.source} ({first.passed_fraction:g}) and {other.source} ({other.passed_fraction:g}) disagree: "
+                "one was not written by the verifier's last write; refused"
+            )
+            return RewardReading(passed_fraction=None, source=first.source, error=error, changed_ns=changed)
+    return replace(first, changed_ns=changed)
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` outside strings, counted without parsing (so without recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise RewardFileError(f"{REWARD_JSON} holds an integer of {len(digits)} digits; at most {MAX_INT_DIGITS}")
+    return int(digits)
 
 
 def _reading_from_counts(data: dict) -> RewardReading:

@@ -204,8 +204,9 @@ class TerminalTask:
                 yield path, relative
 
     def open_attempt(self, parent: str | None = None) -> AttemptDirectory:
-        """A fresh attempt directory whose ``app/`` holds :meth:`app_files` (use it as a context manager)."""
-        attempt = AttemptDirectory(parent=parent)
+        """A fresh attempt directory whose ``app/`` holds :meth:`app_files` (use it as a context manager); the task's
+        own directory is hidden from its commands wherever the sandbox would show it."""
+        attempt = AttemptDirectory(parent=parent, hidden=(self.root,))
         try:
             for source, relative in self.app_files():
                 target = attempt.app / relative
@@ -217,18 +218,20 @@ class TerminalTask:
         return attempt
 
     def sandbox_limits(self, timeout_s: float) -> SandboxLimits:
-        """The task's ``[environment]`` resources as per-command sandbox limits for a command of ``timeout_s``.
+        """The task's ``[environment]`` resources as sandbox limits for a command of ``timeout_s``.
 
-        ``memory_mb`` → address-space bytes; ``storage_mb`` → largest file a command may write (the closest rlimit
-        to a disk quota); ``cpus`` → CPU seconds, ``cpus × timeout_s`` (all cores busy for the whole timeout). The
-        kernel applies the memory, file and CPU limits per process, not to the command's whole tree as a container's
-        cgroup would.
+        ``memory_mb`` → ``memory_bytes``: the address space of each process and the resident memory of the whole
+        command; ``storage_mb`` → ``disk_bytes``, the disk the attempt uses in all (``/app``, the private ``/tmp``),
+        and ``file_size_bytes``, the largest file; ``cpus`` → CPU seconds per process, ``cpus × timeout_s`` (all
+        cores busy for the whole timeout).
         """
+        storage = self.environment.storage_mb * 2**20
         return SandboxLimits(
             timeout_s=timeout_s,
             cpu_seconds=max(1, round(self.environment.cpus * timeout_s)),
             memory_bytes=self.environment.memory_mb * 2**20,
-            file_size_bytes=self.environment.storage_mb * 2**20,
+            file_size_bytes=storage,
+            disk_bytes=storage,
         )
 
     def agent_limits(self, command_timeout_s: float = AGENT_COMMAND_TIMEOUT_S) -> SandboxLimits:

@@ -4,6 +4,27 @@ The verifier runs after the agent is done, in the same attempt directory: ``test
 agent never sees it), ``bash /tests/test.sh`` runs with ``/app``, ``/tests`` and ``/logs/verifier`` visible and the
 task's ``[verifier] timeout_sec``, and the reward files it leaves in ``/logs/verifier`` are read
 (:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable reward file, scores 0 with a reason.
+
+**Reward integrity.** A verifier may execute files the agent wrote (``python3 /app/stats.py``), as the same user, so
+code the agent wrote runs beside the verifier. Layer by layer, what keeps it from changing the reported reward:
+
+1. Each verification gets a fresh copy of the task's ``tests/``, bound read-only at ``/tests``, and a fresh, empty
+   ``/logs/verifier``: nothing left from an earlier run or written to the tests can count.
+2. The run is a verifier run (``Sandbox.run(..., verifier=True)``): ``ptrace`` is refused and the verifier's shells
+   are not dumpable (no tracing, no writes to their memory); ``prlimit`` on another process is refused (no failing
+   the verifier's writes); a process orphaned while ``test.sh`` runs (one the agent's code left behind, racing the
+   verifier's final write) is killed at once and the time it died is reported.
+3. The sandbox's whole PID namespace is gone before the reward files are read: no late writer survives.
+4. ``test.sh`` ended by a signal (killed by the agent's code, or by a limit; as a shell reports it, exit status
+   128 + N counts too) scores 0.
+5. The reward files must be what a plain write by the verifier leaves (regular files, one link, owner read/write,
+   in an unchanged directory), and ``reward.txt`` and ``reward.json`` must agree when both exist
+   (:func:`~tslightning.tasks.rewards.read_reward_files`).
+6. A reward file that last changed before an orphan of the verifier's commands had died may be the orphan's: 0.
+
+Each refusal scores 0 with a reason. What remains the task's to get right: a verifier must write its reward file on
+every path after running the agent's code (a forged file survives a verifier that exits first), and a harness that
+imports the agent's code into its own process (pytest importing ``/app`` modules) can be subverted by that code.
 """
 
 from __future__ import annotations
@@ -13,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tslightning.sandbox import CommandResult, Sandbox
+from tslightning.sandbox.file_tree import remove_tree
 from tslightning.tasks.rewards import RewardReading, RewardScheme, read_reward_files
 from tslightning.tasks.terminal_task import TerminalTask
 
@@ -56,15 +78,17 @@ class VerifierResult:
 
 
 def run_verifier(task: TerminalTask, sandbox: Sandbox, scheme: RewardScheme = "seta") -> VerifierResult:
-    """Copy ``task``'s tests into the sandbox's attempt, run ``tests/test.sh`` there and score the reward file."""
+    """Copy ``task``'s tests into the sandbox's attempt, run ``tests/test.sh`` there and score the reward file (see
+    "Reward integrity" in the module docstring)."""
     attempt = sandbox.attempt
-    _replace_dir_contents(attempt.tests, task.tests_dir)
-    _clear_dir(attempt.logs)  # only this run's reward files count
+    _fresh_copy(task.tests_dir, attempt.tests)
+    _fresh_copy(None, attempt.logs)  # only this run's reward files count
     result = sandbox.run(
         VERIFIER_COMMAND,
         limits=task.verifier_limits(),
         mounts=("app", "tests", "logs"),
         env=task.verifier.env or None,
+        verifier=True,
     )
     return score_verifier_run(result, read_reward_files(attempt.logs), task.verifier.timeout_sec, scheme)
 
@@ -73,7 +97,7 @@ def run_reference_solution(task: TerminalTask, sandbox: Sandbox) -> CommandResul
     """Run ``solution/solve.sh`` as the oracle agent: ``/app`` and ``/oracle`` visible, the task's agent timeout."""
     if task.solution_script is None:
         raise FileNotFoundError(f"task {task.name!r} has no solution/solve.sh")
-    _replace_dir_contents(sandbox.attempt.oracle, task.solution_dir)
+    _fresh_copy(task.solution_dir, sandbox.attempt.oracle)
     timeout = task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S
     return sandbox.run(
         ORACLE_COMMAND,
@@ -88,26 +112,38 @@ def score_verifier_run(
 ) -> VerifierResult:
     """Combine the verifier's command result and its reward files into a :class:`VerifierResult`."""
     common = dict(output=result.output, exit_code=result.exit_code, timed_out=result.timed_out, reading=reading)
-    if result.timed_out:
-        reason = f"verifier timed out after {timeout_s:g} s (exit code {result.exit_code}); reward 0"
-        return VerifierResult(reward=0.0, passed_fraction=None, reason=reason, **common)
-    if reading.error is not None:
-        reason = f"{reading.error} (verifier exit code {result.exit_code}); reward 0"
-        return VerifierResult(reward=0.0, passed_fraction=None, reason=reason, **common)
+    reason = _refusal(result, reading, timeout_s)
+    if reason is not None:
+        return VerifierResult(reward=0.0, passed_fraction=None, reason=f"{reason}; reward 0", **common)
     return VerifierResult(
         reward=reading.reward(scheme), passed_fraction=reading.passed_fraction, reason=reading.describe(), **common
     )
 
 
-def _replace_dir_contents(target: Path, source: Path) -> None:
-    _clear_dir(target)
-    shutil.copytree(source, target, dirs_exist_ok=True, symlinks=True)
+def _refusal(result: CommandResult, reading: RewardReading, timeout_s: float) -> str | None:
+    """Why the verifier's run gives no reward (timeout, killed, unusable or suspect reward files), else None."""
+    if result.timed_out:
+        return f"verifier timed out after {timeout_s:g} s (exit code {result.exit_code})"
+    if result.signal is not None:
+        limit = f", limit hit: {result.limit_hit}" if result.limit_hit else ""
+        return f"verifier tests/test.sh was ended by {result.signal} (exit code {result.exit_code}{limit})"
+    if reading.error is not None:
+        return f"{reading.error} (verifier exit code {result.exit_code})"
+    last_orphan = result.last_orphan_death_ns
+    if last_orphan is not None and reading.changed_ns is not None and reading.changed_ns <= last_orphan:
+        names = ", ".join(sorted({orphan.name for orphan in result.orphans})) or "?"
+        return (
+            f"{reading.source} last changed before {result.orphan_count} process(es) orphaned by the verifier's "
+            f"commands ({names}) had been killed, so one of them may have written it"
+        )
+    return None
 
 
-def _clear_dir(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for child in directory.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
+def _fresh_copy(source: Path | None, target: Path) -> None:
+    """Replace ``target`` with a copy of ``source`` (an empty directory for None), whatever ``target`` holds."""
+    if target.exists() or target.is_symlink():
+        remove_tree(target)
+    if source is None:
+        target.mkdir(mode=0o755)
+    else:
+        shutil.copytree(source, target, symlinks=True)

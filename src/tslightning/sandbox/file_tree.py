@@ -1,0 +1,234 @@
+"""Walks over directory trees that sandboxed commands wrote: iterative, descriptor-relative, never following links.
+
+An agent controls what it leaves in ``/app`` (and a verifier's code in ``/logs/verifier``): a chain of thousands of
+nested directories, paths far beyond ``PATH_MAX``, directories without read or search permission, symlinks in
+place of directories. ``os.fwalk`` and ``shutil.rmtree`` recurse once per level (``RecursionError`` past ~1000) and
+``os.walk`` builds full paths, so every walk here is a loop over an explicit stack that holds at most two open
+descriptors: it descends with ``openat(name, O_NOFOLLOW | O_DIRECTORY)`` and climbs back with ``openat("..")``,
+checking that ``..`` is the directory it came from (device and inode). Walks assume no command of the attempt runs
+meanwhile (the sandbox runs them between commands, or from the sandbox's own init); a tree changed under a walk
+raises :class:`TreeChangedError` instead of walking somewhere else.
+
+This module imports only the standard library, and little of it: the sandbox's init process (:mod:`init_process`)
+runs it inside the sandbox too, where every import adds to each command's start.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class TreeChangedError(OSError):
+    """A directory moved while it was being walked; the walk stopped rather than continue elsewhere."""
+
+
+class _Level:
+    """One directory on the walk's stack (a plain class: dataclasses cost the sandbox's init 10 ms of imports)."""
+
+    __slots__ = ("identity", "names", "name", "restore_mode")
+
+    def __init__(
+        self, identity: tuple[int, int], names: list[str], name: str | None = None, restore_mode: int | None = None
+    ) -> None:
+        self.identity = identity
+        self.names = names
+        self.name = name
+        """This directory's name in its parent (None for the root)."""
+        self.restore_mode = restore_mode
+        """The mode to put back on leaving, when the walk had to make the directory readable."""
+
+
+Visit = Callable[[int, str, os.stat_result], bool]
+"""``visit(dir_fd, name, stat)`` for each entry below the root; returns whether to descend (directories only)."""
+Leave = Callable[[int, str, os.stat_result], None]
+"""``leave(parent_fd, name, stat)`` after a directory's entries were all visited."""
+
+
+def walk_tree(
+    root: str | os.PathLike[str], visit: Visit, *, leave: Leave | None = None, unlock: bool = False
+) -> os.stat_result:
+    """Depth-first over everything below ``root`` (not ``root`` itself), with at most two descriptors open.
+
+    Args:
+        root: a directory (a symlink is refused with ``OSError`` ELOOP / ENOTDIR).
+        visit: called for each entry with the descriptor of its directory; entries vanishing meanwhile are skipped.
+        leave: called when a directory was walked, with its parent's descriptor.
+        unlock: give directories that cannot be listed or entered owner ``rwx`` for the walk and restore their mode
+            afterwards (a walker that owns them but holds no ``CAP_DAC_OVERRIDE``).
+
+    Returns:
+        The stat of ``root``.
+
+    Raises:
+        TreeChangedError: a directory moved during the walk.
+        OSError: ``root`` cannot be opened.
+    """
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        root_stat = os.fstat(fd)
+        stack = [_Level((root_stat.st_dev, root_stat.st_ino), os.listdir(fd))]
+        while stack:
+            level = stack[-1]
+            if level.names:
+                fd = _step(fd, level, stack, visit, unlock)
+                continue
+            stack.pop()
+            if not stack:
+                break
+            fd = _climb(fd, stack[-1].identity)
+            entry = os.stat(level.name, dir_fd=fd, follow_symlinks=False)
+            if level.restore_mode is not None:
+                try:
+                    os.chmod(level.name, level.restore_mode, dir_fd=fd)
+                except OSError:  # best effort: the walk itself is done
+                    pass
+            if leave is not None:
+                leave(fd, level.name, entry)
+    finally:
+        os.close(fd)
+    return root_stat
+
+
+def _step(fd: int, level: _Level, stack: list[_Level], visit: Visit, unlock: bool) -> int:
+    """Visit the next name of ``level``; descend into it when it is a directory the visitor wants."""
+    name = level.names.pop()
+    try:
+        entry = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return fd
+    if not visit(fd, name, entry) or not stat.S_ISDIR(entry.st_mode):
+        return fd
+    opened = _open_dir(fd, name, entry, unlock)
+    if opened is None:
+        return fd
+    child, restore = opened
+    try:
+        names = os.listdir(child)
+    except OSError:
+        os.close(child)
+        raise
+    os.close(fd)
+    stack.append(_Level((entry.st_dev, entry.st_ino), names, name, restore))
+    return child
+
+
+def _open_dir(fd: int, name: str, entry: os.stat_result, unlock: bool) -> tuple[int, int | None] | None:
+    """Open directory ``name`` below ``fd``: (descriptor, mode to restore), or None when it vanished."""
+    restore = None
+    try:
+        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        if not unlock:
+            raise
+        restore = stat.S_IMODE(entry.st_mode)
+        os.chmod(name, restore | stat.S_IRWXU, dir_fd=fd)  # a directory (lstat above), nothing runs meanwhile
+        child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    opened = os.fstat(child)
+    if (opened.st_dev, opened.st_ino) != (entry.st_dev, entry.st_ino):
+        os.close(child)
+        raise TreeChangedError(f"directory {name!r} was replaced during the walk")
+    return child, restore
+
+
+def _climb(fd: int, parent: tuple[int, int]) -> int:
+    """The descriptor of ``fd``'s parent, which must be ``parent``; ``fd`` is closed once it is."""
+    up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+    found = os.fstat(up)
+    if (found.st_dev, found.st_ino) != parent:
+        os.close(up)
+        raise TreeChangedError("a directory was moved out of the tree during the walk")
+    os.close(fd)
+    return up
+
+
+def remove_tree(root: str | os.PathLike[str]) -> None:
+    """Remove ``root`` and everything below it, whatever its depth and permissions (what the walker's user may
+    remove: root anything, another user what it owns). Symlinks are removed, never followed.
+
+    Raises:
+        OSError: something could not be removed (the message names it).
+    """
+    root = os.fspath(root)
+    if os.path.islink(root) or not os.path.isdir(root):
+        os.unlink(root)
+        return
+    if os.geteuid() != 0:
+        os.chmod(root, stat.S_IMODE(os.lstat(root).st_mode) | stat.S_IRWXU)
+
+    def visit(dir_fd: int, name: str, entry: os.stat_result) -> bool:
+        if stat.S_ISDIR(entry.st_mode):
+            return True
+        _writable_retry(dir_fd, lambda: os.unlink(name, dir_fd=dir_fd))
+        return False
+
+    def leave(parent_fd: int, name: str, entry: os.stat_result) -> None:
+        _writable_retry(parent_fd, lambda: os.rmdir(name, dir_fd=parent_fd))
+
+    walk_tree(root, visit, leave=leave, unlock=True)
+    os.rmdir(root)
+
+
+def _writable_retry(dir_fd: int, remove: Callable[[], None]) -> None:
+    """Run ``remove``; when the directory refuses it (no write permission, we own it), make it writable and retry."""
+    try:
+        remove()
+    except PermissionError:
+        os.fchmod(dir_fd, stat.S_IMODE(os.fstat(dir_fd).st_mode) | stat.S_IRWXU)
+        remove()
+
+
+def chown_tree(root: str | os.PathLike[str], uid: int, gid: int) -> None:
+    """Give ``root`` and everything below it to ``uid``:``gid`` (symlinks themselves, never their targets)."""
+    root = os.fspath(root)
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        _own(root_fd, None, os.fstat(root_fd), uid, gid)
+    finally:
+        os.close(root_fd)
+
+    def visit(dir_fd: int, name: str, entry: os.stat_result) -> bool:
+        _own(dir_fd, name, entry, uid, gid)
+        return True
+
+    walk_tree(root, visit)
+
+
+def _own(dir_fd: int, name: str | None, entry: os.stat_result, uid: int, gid: int) -> None:
+    if entry.st_uid == uid and entry.st_gid == gid:
+        return
+    if name is None:
+        os.fchown(dir_fd, uid, gid)
+    else:
+        try:
+            os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:  # removed meanwhile: nothing to hand over
+            pass
+
+
+MIN_ENTRY_BYTES = 4096
+"""What each file, directory or link counts for at least in :func:`disk_usage` (one block): an empty file takes no
+block but an inode and a directory entry, and millions of them would cost every walk (and the trainer's memory)."""
+
+
+def disk_usage(root: str | os.PathLike[str], *, unlock: bool = False) -> int:
+    """Bytes of disk used by ``root`` and everything below it: allocated blocks, at least :data:`MIN_ENTRY_BYTES` per
+    entry, each inode counted once."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def visit(dir_fd: int, name: str, entry: os.stat_result) -> bool:
+        nonlocal total
+        key = (entry.st_dev, entry.st_ino)
+        if key not in seen:
+            seen.add(key)
+            total += max(entry.st_blocks * 512, MIN_ENTRY_BYTES)
+        return True
+
+    root_stat = walk_tree(root, visit, unlock=unlock)
+    return total + max(root_stat.st_blocks * 512, MIN_ENTRY_BYTES)

@@ -1,0 +1,185 @@
+"""`fit` checks everything before it writes a byte: a bad input leaves an earlier run byte-identical, builds no model,
+and the command line prints one line naming every problem (issue 16, "The CLI loses nothing")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+import tslightning.loop.startup as startup
+from tslightning import cli
+from tslightning.callbacks import GradientClipping, StalenessMonitor
+from tslightning.loop.fit import RolloutSettings, fit
+from tslightning.loop.preflight import callback_problems
+from tslightning.loop.settings import InvalidSettingsError, MissingPathError
+
+ROOT = Path(__file__).parents[2]
+
+
+def previous_run(out: Path) -> dict[str, bytes]:
+    """A finished run's outputs in ``out`` (a checkpoint included); returns every file's bytes."""
+    files = {
+        "config.yaml": b"objective: grpo\n",
+        "rewards.json": b'{"mean_rewards": [0.5]}',
+        "policy-0/config.json": b"{}",
+        "tiny-model/tslightning_tiny.json": b"{}",
+        "checkpoints/update-0/state.pt": b"state",
+        "checkpoints/update-0/meta.json": b"{}",
+        "csv/version_0/metrics.csv": b"step\n0\n",
+        "notes.txt": b"the user's own file",
+    }
+    for name, content in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(content)
+    return snapshot(out)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def malformed_tasks(root: Path) -> Path:
+    task = root / "broken-task"
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "tests" / "test.sh").write_text("exit 0\n")
+    (task / "instruction.md").write_text("Do it.\n")
+    (task / "task.toml").write_text('[environment]\ncpus = "many"\n')
+    return root
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """A check that fails must come before any model is built or loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built before the settings were checked")
+
+    monkeypatch.setattr(startup, "load_tiny_model", refuse)
+    monkeypatch.setattr(startup, "save_tiny_model", refuse)
+
+
+BAD_INPUTS = {
+    "tasks-missing": (["--rollout.tasks", "/nonexistent"], "rollout.tasks /nonexistent is not a directory"),
+    "task-malformed": (
+        ["--rollout.tasks", "{tasks}", "--rollout.task_names", "null", "--rollout.split", "all"],
+        "task 'broken-task' ({tasks}/broken-task) is not a valid Harbor task: task.toml: [environment] cpus",
+    ),
+    "prompts-negative": (["--rollout.prompts_per_update", "-1"], "rollout.prompts_per_update must be >= 1; got -1"),
+    "task-unknown": (["--rollout.task_names", "[no-such-task]"], "rollout.task_names ['no-such-task'] are not tasks"),
+    "resume-missing": (["--resume", "{out}/checkpoints/update-7"], "holds no state.pt"),
+    "resume-no-checkpoint": (["--resume", "{out}/csv"], "holds no state.pt"),
+}
+
+
+def _fit_args(tmp_path: Path, out: Path, extra: list[str]) -> list[str]:
+    tasks = malformed_tasks(tmp_path / "tasks")
+    filled = [arg.format(out=out, tasks=tasks) for arg in extra]
+    return ["fit", "--config", "configs/quickstart.yaml", "--out_dir", str(out), "--progress", "false", *filled]
+
+
+@pytest.mark.parametrize("asked", [[], ["--overwrite", "true"]], ids=["plain", "overwrite"])
+@pytest.mark.parametrize("bad", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_a_bad_input_leaves_the_previous_run_untouched_and_prints_one_line(tmp_path, capsys, no_models, bad, asked):
+    out = tmp_path / "run"
+    before = previous_run(out)
+    extra, message = BAD_INPUTS[bad]
+    message = message.format(tasks=tmp_path / "tasks")
+    if asked and bad.startswith("resume"):
+        asked = []  # overwrite and resume contradict; the bad resume alone must still leave the run as it was
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_fit_args(tmp_path, out, extra + asked))
+    assert exit_info.value.code == 2
+    assert snapshot(out) == before  # byte-identical, and nothing new
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tslightning: ") and message in err
+    assert "Traceback" not in err and "--debug" in err
+
+
+@pytest.mark.parametrize("bad", ["tasks-missing", "prompts-negative", "task-unknown"])
+def test_a_bad_input_with_a_valid_resume_leaves_the_run_untouched(tmp_path, capsys, no_models, bad):
+    out = tmp_path / "run"
+    before = previous_run(out)
+    extra, message = BAD_INPUTS[bad]
+    with pytest.raises(SystemExit):
+        cli.main(_fit_args(tmp_path, out, extra + ["--resume", str(out / "checkpoints" / "update-0")]))
+    assert snapshot(out) == before
+    assert message in capsys.readouterr().err
+
+
+def test_every_problem_is_reported_at_once(tmp_path, capsys, no_models):
+    out = tmp_path / "run"
+    previous_run(out)
+    args = ["--rollout.prompts_per_update", "-1", "--rollout.task_names", "[no-such-task]", "--updates", "0"]
+    args += ["--optimizer.lr", "0", "--learner.cpus", "[]", "--callbacks", "[lightning.pytorch.callbacks.Timer]"]
+    with pytest.raises(SystemExit):
+        cli.main(_fit_args(tmp_path, out, args))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    for field in (
+        "rollout.prompts_per_update",
+        "rollout.task_names",
+        "updates must be >= 1",
+        "optimizer.lr must be > 0",
+        "learner.cpus",
+        "Timer is a Trainer callback",
+        f"out_dir {out} already holds a run",
+    ):
+        assert field in err, field
+
+
+def test_a_used_out_dir_is_refused_and_overwrite_replaces_only_the_runs_outputs(tmp_path, capsys, no_models):
+    out = tmp_path / "run"
+    before = previous_run(out)
+    with pytest.raises(SystemExit):
+        cli.main(_fit_args(tmp_path, out, []))
+    assert snapshot(out) == before
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite true" in err and "--resume" in err
+
+
+def test_fit_raises_value_error_and_file_not_found_error_for_python_callers(tmp_path, no_models):
+    with pytest.raises(InvalidSettingsError, match="rollout.prompts_per_update must be >= 1") as error:
+        fit(out_dir=str(tmp_path / "a"), rollout=RolloutSettings(prompts_per_update=-1), progress=False)
+    assert isinstance(error.value, ValueError) and len(error.value.problems) == 1
+    with pytest.raises(MissingPathError, match="rollout.tasks /nonexistent") as error:
+        fit(out_dir=str(tmp_path / "a"), rollout=RolloutSettings(tasks="/nonexistent"), progress=False)
+    assert isinstance(error.value, FileNotFoundError)
+    assert not (tmp_path / "a").exists()
+
+
+def test_debug_shows_the_traceback_and_otherwise_one_line(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "tslightning.cli", "fit", "--config", "quickstart", "--out_dir", str(out)]
+    command += ["--rollout.tasks", "/nonexistent"]
+    plain = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and plain.stdout == ""
+    assert plain.stderr.strip().count("\n") == 0 and "rollout.tasks /nonexistent is not a directory" in plain.stderr
+    debug = subprocess.run([*command, "--debug"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+    assert "MissingPathError: rollout.tasks /nonexistent" in debug.stderr
+    assert not out.exists()
+
+
+def test_trainer_callbacks_are_refused_and_fabric_callbacks_kept():
+    from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint, ThroughputMonitor, Timer
+
+    class OwnMonitor(L.Callback):
+        pass
+
+    class OwnCheckpoint(ModelCheckpoint):
+        pass
+
+    refused = [Timer(), ModelCheckpoint(), ThroughputMonitor(batch_size_fn=len), OwnCheckpoint(), GradientClipping()]
+    problems = callback_problems(refused)
+    assert len(problems) == len(refused)
+    assert "Timer is a Trainer callback" in problems[0] and "updates" in problems[0]
+    assert "ModelCheckpoint" in problems[1] and "checkpoint.interval_s" in problems[1]
+    assert "ThroughputMonitor" in problems[2] and "MFUMonitor" in problems[2]
+    assert "OwnCheckpoint is a Trainer callback (ModelCheckpoint" in problems[3]
+    assert "GradientClipping would run twice" in problems[4] and "max_grad_norm" in problems[4]
+    assert callback_problems([OwnMonitor(), StalenessMonitor(max_policy_lag=2), LambdaCallback()]) == []

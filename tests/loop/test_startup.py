@@ -1,0 +1,79 @@
+"""`fit`'s start-up: which tasks a run trains on (every problem named), and the policy a fresh or resumed run starts
+from (no warm start on resume, the run's own policy-0 kept)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import tslightning.loop.startup as startup
+from tslightning.loop.settings import InvalidSettingsError, ModelSettings, RolloutSettings, WarmStartSettings
+from tslightning.loop.startup import prepare_policy, select_tasks, training_tasks
+from tslightning.tasks.validation import library_dir
+
+
+def _task(root: Path, name: str, toml: str = "") -> Path:
+    task = root / name
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "tests" / "test.sh").write_text("exit 0\n")
+    (task / "instruction.md").write_text("Do it.\n")
+    (task / "task.toml").write_text(toml)
+    return task
+
+
+def test_named_tasks_are_the_only_ones_loaded(tmp_path):
+    _task(tmp_path, "good")
+    _task(tmp_path, "broken", "[verifier]\ntimeout_sec = -1\n")
+    chosen = select_tasks(RolloutSettings(tasks=str(tmp_path), task_names=["good"], split="all"))
+    assert [t.name for t in chosen.tasks] == ["good"] and chosen.problems == [] and chosen.missing == []
+    every = select_tasks(RolloutSettings(tasks=str(tmp_path), split="all"))
+    (problem,) = every.problems
+    assert f"rollout.tasks: task 'broken' ({tmp_path / 'broken'}) is not a valid Harbor task: task.toml" in problem
+    assert "leave it out with rollout.task_names" in problem
+
+
+def test_unknown_names_missing_and_empty_directories_are_named(tmp_path):
+    unknown = select_tasks(RolloutSettings(task_names=["count-lines", "nope"], split="all"))
+    assert unknown.problems == [
+        f"rollout.task_names ['nope'] are not tasks in {library_dir()} (it has base64-decode, compute-checksum, "
+        "count-lines, count-unique-ips, create-directory-tree, crlf-to-lf, ... (36 in all))"
+    ]
+    missing = select_tasks(RolloutSettings(tasks=str(tmp_path / "nowhere")))
+    assert missing.problems == [] and "is not a directory" in missing.missing[0]
+    empty = select_tasks(RolloutSettings(tasks=str(tmp_path)))
+    assert empty.problems == [f"rollout.tasks {tmp_path} holds no task (a directory with task.toml); point it at one"]
+    with pytest.raises(InvalidSettingsError, match="rollout.task_names"):
+        training_tasks(RolloutSettings(task_names=["nope"]))
+
+
+@pytest.fixture
+def warm_starts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(startup, "supervised_warm_start", lambda model, *a, **kw: calls.append(model))
+    return calls
+
+
+def _prepare(out: Path, resume: str | None):
+    rollout = RolloutSettings(task_names=["count-lines"], split="all")
+    tasks = training_tasks(rollout)
+    rank_zero = SimpleNamespace(global_rank=0)
+    return prepare_policy(rank_zero, ModelSettings(), rollout, WarmStartSettings(steps=5), tasks, 3, out, bool(resume))
+
+
+def test_a_resumed_run_skips_the_warm_start_and_keeps_its_policy_0(tmp_path, warm_starts):
+    _, _, policy_dir = _prepare(tmp_path, None)
+    assert len(warm_starts) == 1 and policy_dir == tmp_path / "policy-0"
+    (policy_dir / "marker").write_text("written by the first run")  # stands in for its warm-started θ_0
+    before = {p.name: p.read_bytes() for p in policy_dir.iterdir()}
+    policy, _, resumed_dir = _prepare(tmp_path, "checkpoints/update-3")
+    assert len(warm_starts) == 1  # no second warm start: the checkpoint holds the trained weights
+    assert resumed_dir == policy_dir and {p.name: p.read_bytes() for p in policy_dir.iterdir()} == before
+    assert all(p.grad is None for p in policy.parameters())
+
+
+def test_a_resume_into_a_new_directory_saves_the_engine_a_policy(tmp_path, warm_starts):
+    _, _, policy_dir = _prepare(tmp_path, "elsewhere/update-3")
+    assert warm_starts == [] and (policy_dir / "config.json").is_file()

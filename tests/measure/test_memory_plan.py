@@ -1,0 +1,111 @@
+"""``tslightning plan``'s per-rank memory against what torch holds in a real learner on CPU, component by component.
+
+The plan is made from the tiny model's config alone (fake tensors); the measurements come from a real float32
+policy streaming a GRPO batch: parameter bytes, one source's gradient, AdamW's state after the step, the
+accumulators' peak, and the memory a forward leaves allocated (torch's profiler, which sees every allocation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tslightning.core.replay_batches import WorkloadShape, synthetic_grpo_batch
+from tslightning.learner.streaming_module import StreamingPolicyModule
+from tslightning.loop.startup import checkpoint_activations
+from tslightning.measure.memory_plan import LearnerShape, plan_learner_memory
+from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer, tiny_qwen2_config
+from tslightning.objectives.scored_logprobs import scored_logprobs
+
+TOKENS = 1024
+WITHIN = 0.10
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tokenizer()
+    return build_tiny_model(TinyModelConfig(seed=0), tokenizer), tiny_qwen2_config(TinyModelConfig(), tokenizer)
+
+
+def _close(planned: int, measured: int) -> bool:
+    return abs(planned - measured) <= WITHIN * measured
+
+
+def _forward_retained(model: torch.nn.Module, tokens: int) -> int:
+    """Bytes a forward (to log-probs) leaves allocated for its backward, from the profiler's memory events."""
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+    del logp
+    return sum(event.self_cpu_memory_usage for event in prof.key_averages())
+
+
+def test_weights_gradients_optimizer_and_statistics_match_a_real_learner(tiny):
+    model, config = tiny
+    cap = 2
+    plan = plan_learner_memory(config, LearnerShape(open_groups=cap, sequence_tokens=TOKENS))
+    module = StreamingPolicyModule(model, "grpo", "thundersync", group_admission_cap=cap)
+    optimizer = module.configure_optimizers()
+    batch = synthetic_grpo_batch(config.vocab_size, 0, torch.Generator().manual_seed(0), WorkloadShape(num_groups=3))
+    batch = batch.reordered(torch.Generator().manual_seed(0))  # groups interleave: the cap is reached
+    for item in batch.stream():
+        module.ingest(item)
+    module.barrier(optimizer)
+    source = next(item for item in batch.items if hasattr(item, "reward"))
+    grads = torch.autograd.grad(
+        scored_logprobs(model, source.token_ids, source.scored_mask).sum(), list(model.parameters())
+    )
+    measured = {
+        "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "gradients": sum(g.numel() * g.element_size() for g in grads),
+        "optimizer": sum(
+            t.numel() * t.element_size() for state in optimizer.state.values() for k, t in state.items() if k != "step"
+        ),
+        "statistics": module.last_update.peak_held_numel * module.groups.dtype.itemsize,
+    }
+    assert module.last_update.peak_held_numel == (2 * cap + 1) * module.layout.numel  # the cap bound (App. D.3)
+    for name, value in measured.items():
+        assert _close(getattr(plan, name), value), (name, getattr(plan, name), value)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_match_what_a_forward_leaves_allocated(tiny, checkpointing):
+    model, config = tiny
+    plan = plan_learner_memory(config, LearnerShape(sequence_tokens=TOKENS))
+    if checkpointing:
+        checkpoint_activations(model)
+    try:
+        measured = _forward_retained(model, TOKENS)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    planned = plan.activations_checkpointed if checkpointing else plan.activations
+    print(f"checkpointing={checkpointing}: planned {planned} B, measured {measured} B")
+    assert _close(planned, measured)
+    assert plan.activations_checkpointed < plan.activations / 2
+
+
+def test_sharding_lora_and_precision_scale_the_components(tiny):
+    _, config = tiny
+    full = plan_learner_memory(config, LearnerShape(sequence_tokens=256))
+    fsdp = plan_learner_memory(config, LearnerShape(strategy="fsdp", world_size=4, sequence_tokens=256))
+    assert fsdp.weights == pytest.approx(full.weights / 4, abs=1) and fsdp.optimizer == pytest.approx(
+        full.optimizer / 4, abs=1
+    )
+    assert fsdp.gradients == full.gradients  # one source's gradient is taken whole, then folded
+    lora = plan_learner_memory(
+        config,
+        LearnerShape(precision="bf16-mixed", lora_rank=4, lora_targets=("q_proj", "v_proj"), sequence_tokens=256),
+    )
+    assert lora.optimizer < full.optimizer / 20 and lora.weights < full.weights  # bf16 base, float32 adapters
+    assert plan_learner_memory(config, LearnerShape(objective="opd", sequence_tokens=256)).statistics == full.gradients
+
+
+def test_the_plan_says_which_setting_to_change(tiny):
+    _, config = tiny
+    shape = LearnerShape(open_groups=4, sequence_tokens=4096, statistics_device="device")
+    plan = plan_learner_memory(config, shape)
+    assert plan.advice(plan.device_bytes(False), shape) == []
+    advice = plan.advice(plan.device_bytes(True), shape)
+    assert advice[0] == "learner.activation_checkpointing: true" and "learner.statistics_device: host" in advice
