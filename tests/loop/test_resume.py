@@ -10,12 +10,14 @@ import pytest
 import torch
 import yaml
 
+from tslightning import cli
 from tslightning.callbacks import read_trace
-from tslightning.callbacks.checkpoint_state import CheckpointError, read_meta
+from tslightning.callbacks.checkpoint_state import read_meta
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings
 from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
+from tslightning.loop.settings import InvalidSettingsError
 
 fit_module = importlib.import_module("tslightning.loop.fit")  # the module; the package's `fit` is the function
 
@@ -118,7 +120,7 @@ def test_resume_from_a_directory_that_is_no_checkpoint_names_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "meta"])
-def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, damage):
+def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, damage, capsys):
     checkpoint = tmp_path / "checkpoints" / "update-1"
     checkpoint.mkdir(parents=True)
     torch.save({"state_dict": {"w": torch.ones(1000)}}, checkpoint / "state.pt")
@@ -131,7 +133,11 @@ def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, dam
     else:
         (checkpoint / "meta.json").write_text('{"policy_hash": ')
     broken = checkpoint / ("meta.json" if damage == "meta" else "state.pt")
-    with pytest.raises(CheckpointError, match=f"resume: (cannot read )?{broken}") as info:
+    with pytest.raises(InvalidSettingsError, match=f"resume: (cannot read )?{broken}") as info:
         fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), progress=False)
     assert "\n" not in str(info.value) and "update-<k>" in str(info.value)
     assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--out_dir", str(tmp_path / "run"), "--resume", str(checkpoint)])
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, naming the file; no traceback
+    assert exit_info.value.code == 2 and str(broken) in line and "Traceback" not in line
