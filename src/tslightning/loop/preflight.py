@@ -13,7 +13,7 @@ from typing import Any
 
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.settings import OptimizerSettings
-from tslightning.loop.resume import missing_checkpoint, resume_problems
+from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
 from tslightning.loop.settings import (
     CheckpointSettings,
@@ -93,7 +93,7 @@ def preflight(
     problems += _optimizer_problems(optimizer, available_flops)
     problems += _objective_problems(objective, schedule, advantage, rollout)
     problems += _machine_problems(accelerator, rollout, learner, model)
-    problems += resume_problems(resume, schedule) + callback_problems(callbacks)
+    problems += resume_problems(resume, schedule) + unreadable_checkpoint(resume) + callback_problems(callbacks)
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume)
