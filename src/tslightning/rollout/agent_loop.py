@@ -277,6 +277,7 @@ class AgentLoop:
             ),
             temperature=self.limits.temperature,
             stop_token_ids=(self.end_of_turn,),
+            session=f"{trajectory.group_id}/{trajectory.trajectory_index}",
         )
         start = time.perf_counter()
         generation: Generation = await asyncio.wrap_future(self.engine.submit(request))

@@ -35,6 +35,8 @@ class GenerationRequest:
         seed: Sampling seed (see :func:`sampling_seed`).
         temperature: Sampling temperature (Table 6: 1.0; top-p 1.0, top-k disabled).
         stop_token_ids: Generation stops after emitting any of these (the chat template's end-of-turn token).
+        session: Requests of one session (a trajectory's turns) go to the same replica where an engine has several
+            (its prefix cache holds the earlier turns); ``None``: the request is its own session.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class GenerationRequest:
     seed: int
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    session: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,145 @@
+"""What a vLLM server must offer before the ``vllm_server`` engine uses it, checked before training starts.
+
+:func:`reachability_problems` (run by ``fit``'s preflight, before anything is written) asks each URL of
+``rollout.server_urls`` for ``/v1/models``. :func:`server_problems` (run when the engine starts, before θ_0 is
+published) checks what the protocol needs: the weight-sync routes (``VLLM_SERVER_DEV_MODE=1``), the token-in/token-out
+route (``--enable-scale-out``), the weight-transfer backend, log-probs of the sampling distribution
+(``--logprobs-mode processed_logprobs``), the context length, the dtype, and that the server serves the same model —
+its tokenizer encodes a probe like the policy's does. Every problem is one line naming ``rollout.server_urls`` and
+the fix. Plain HTTP (``requests``): this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+PROBE_TEXT = "Count the lines in file.txt, then print the first error."
+"""Text whose token ids the server's tokenizer and the policy's must agree on."""
+
+SERVER_FLAGS = (
+    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <policy dir> --enable-scale-out "
+    '--logprobs-mode processed_logprobs --weight-transfer-config \'{"backend": "<backend>"}\''
+)
+
+
+def url_problems(urls: Sequence[str] | None) -> list[str]:
+    """Malformed ``rollout.server_urls`` (no request is made)."""
+    if not urls:
+        return ["rollout.server_urls is empty: give the URL of at least one running vLLM server, e.g. "
+                "'[http://127.0.0.1:8000]'"]  # fmt: skip
+    problems = []
+    for url in urls:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+            problems.append(f"rollout.server_urls: {url!r} is not an http://host:port URL")
+    if len(set(urls)) != len(urls):
+        problems.append(f"rollout.server_urls lists a server twice: {list(urls)}")
+    return problems
+
+
+def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[str]:
+    """Each URL that does not answer ``GET /v1/models`` like a vLLM OpenAI-compatible server."""
+    problems = []
+    for url in urls:
+        try:
+            response = requests.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+            served = response.json()["data"] if response.status_code == 200 else None
+        except (requests.RequestException, ValueError, KeyError) as error:
+            problems.append(
+                f"rollout.server_urls: {url} is unreachable ({type(error).__name__}); start a vLLM server there "
+                "(README: Rollout servers) or fix the URL"
+            )
+            continue
+        if not served:
+            problems.append(f"rollout.server_urls: {url} answered /v1/models with {response.status_code}, not a model "
+                            "list: is it a vLLM OpenAI-compatible server?")  # fmt: skip
+    return problems
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the learner needs from every server.
+
+    Attributes:
+        backend: The weight-transfer backend of the chosen transport.
+        dtype: The serving dtype (``float32``, ``bfloat16``, ...).
+        context_tokens: Longest prompt plus completion a trajectory can reach.
+        probe_ids: The policy tokenizer's ids for :data:`PROBE_TEXT`.
+    """
+
+    backend: str
+    dtype: str
+    context_tokens: int
+    probe_ids: tuple[int, ...]
+
+
+def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> list[str]:
+    """Everything ``url`` lacks for serving this run (empty: it can serve); see the module docstring."""
+    session = requests.Session()
+    try:
+        served = _json(session.get(f"{url}/v1/models", timeout=timeout_s))["data"][0]
+        info = session.get(f"{url}/server_info", params={"config_format": "json"}, timeout=timeout_s)
+        version = session.get(f"{url}/weight_info", timeout=timeout_s)
+        tokens = _json(session.post(f"{url}/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False},
+                                    timeout=timeout_s))["tokens"]  # fmt: skip
+        generate = session.post(f"{url}/inference/v1/generate", json=_probe(expected.probe_ids), timeout=timeout_s)
+    except (requests.RequestException, ValueError, KeyError, IndexError) as error:
+        return [f"rollout.server_urls: {url} did not answer like a vLLM server ({type(error).__name__}: {error})"]
+    model = served.get("root") or served.get("id")
+    if info.status_code != 200 or version.status_code != 200:
+        return [f"rollout.server_urls: {url} has no weight-sync routes (/server_info, /weight_info): start it with "
+                f"VLLM_SERVER_DEV_MODE=1 ({SERVER_FLAGS})"]  # fmt: skip
+    problems = _config_problems(url, info.json()["vllm_config"], expected)
+    if tuple(tokens) != expected.probe_ids:
+        problems.append(
+            f"rollout.server_urls: {url} serves another model ({model}): its tokenizer encodes a probe as "
+            f"{list(tokens)[:8]}..., the policy's as {list(expected.probe_ids)[:8]}...; start it on the policy's "
+            "checkpoint (model.path, or <out_dir>/policy-0)"
+        )
+    if generate.status_code != 200:
+        problems.append(f"rollout.server_urls: {url} refused token-in/token-out generation ({generate.status_code}: "
+                        f"{generate.text[:200]}); start it with --enable-scale-out")  # fmt: skip
+    return problems
+
+
+def _config_problems(url: str, config: dict[str, Any], expected: Expected) -> list[str]:
+    model = config["model_config"]
+    backend = (config.get("weight_transfer_config") or {}).get("backend")
+    problems = []
+    if backend != expected.backend:
+        problems.append(
+            f"rollout.server_urls: {url} runs weight-transfer backend {backend!r}, rollout.server_transport needs "
+            f'{expected.backend!r}: start it with --weight-transfer-config \'{{"backend": "{expected.backend}"}}\''
+            + (
+                " --worker-extension-cls tslightning.rollout.vllm_gloo_transfer.GlooTransferWorkerExtension"
+                if expected.backend == "tslightning_gloo"
+                else ""
+            )  # fmt: skip
+        )
+    if model.get("logprobs_mode") != "processed_logprobs":
+        problems.append(f"rollout.server_urls: {url} returns {model.get('logprobs_mode')!r} log-probs, not those of "
+                        "the sampling distribution: start it with --logprobs-mode processed_logprobs")  # fmt: skip
+    if int(model.get("max_model_len") or 0) < expected.context_tokens:
+        problems.append(f"rollout.server_urls: {url} serves {model.get('max_model_len')} tokens of context, a "
+                        f"trajectory needs {expected.context_tokens}: start it with --max-model-len "
+                        f"{expected.context_tokens} (or lower rollout.max_context_tokens)")  # fmt: skip
+    dtype = str(model.get("dtype", "")).removeprefix("torch.")
+    if dtype != expected.dtype:
+        problems.append(f"rollout.server_urls: {url} serves {dtype}, the learner's serving dtype is "
+                        f"{expected.dtype}: start it with --dtype {expected.dtype}")  # fmt: skip
+    return problems
+
+
+def _probe(probe_ids: Sequence[int]) -> dict[str, Any]:
+    return {"token_ids": list(probe_ids), "sampling_params": {"max_tokens": 1, "seed": 0, "detokenize": False}}
+
+
+def _json(response: requests.Response) -> Any:
+    if response.status_code != 200:
+        raise ValueError(f"{response.url} answered {response.status_code}: {response.text[:200]}")
+    return response.json()

@@ -1,0 +1,294 @@
+"""The ``vllm_server`` rollout engine: running vLLM OpenAI-compatible servers, token-in/token-out (SPEC §3, App. D.2).
+
+:class:`VLLMServerEngine` sends every turn the moment the agent loop submits it as one ``POST
+/inference/v1/generate`` (prompt token ids in; sampled ids, their log-probs under the sampling distribution and the
+weight versions that sampled them out; the request's seed, temperature 1-style sampling with top-p 1 and no top-k),
+so each trajectory's turn comes back as soon as the server finished it — readiness is per request, the server's
+continuous batching decides the rest. A trajectory's turns go to the same server (session affinity: its prefix
+cache holds the earlier turns); a new trajectory goes to the server with the fewest requests in flight.
+
+Publication (:mod:`tslightning.rollout.vllm_server_publication`) uses vLLM's own protocol: pause → transfer → finish
+with ``weight_version`` → resume. ``publish`` first lets the requests already sent finish (they are answered by the
+old version) and holds new ones until every server acknowledged the new version; every generation is then checked
+against the version the server reports for each of its tokens, and a mismatch fails that request
+(:class:`~tslightning.rollout.engine.RolloutEngineError`): no token sampled at another version reaches the learner.
+
+At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
+group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
+does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+
+from tslightning.rollout.engine import (
+    Generation,
+    GenerationRequest,
+    PublishReceipt,
+    QueuedEngine,
+    RolloutEngineError,
+    validate_request,
+)
+from tslightning.rollout.vllm_server_check import PROBE_TEXT, Expected, server_problems, url_problems
+
+__all__ = ["VLLMServerEngine"]
+
+_SESSIONS_KEPT = 65536
+"""Trajectories whose server the engine remembers (oldest forgotten first)."""
+
+
+class VLLMServerEngine(QueuedEngine):
+    """Rollouts on running vLLM servers, one HTTP request per turn, with versioned weight publication.
+
+    Args:
+        urls: The servers' base URLs (``rollout.server_urls``).
+        policy_dir: θ_0's checkpoint (``save_pretrained``): its tokenizer is checked against each server's and its
+            weights are published at ``policy_version`` before the engine serves.
+        transport: ``gloo`` (CPU) or ``nccl`` (GPUs); see :mod:`tslightning.rollout.vllm_server_publication`.
+        dtype: The dtype the servers must serve.
+        context_tokens: Longest prompt plus completion a trajectory can reach; each server must serve it.
+        policy_version: The version θ_0 is published at.
+        timeout_s: Seconds one request, one check or one publication step may take.
+        max_connections: Requests in flight at once, over all servers.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        policy_dir: str | Path,
+        *,
+        transport: str = "gloo",
+        dtype: str = "float32",
+        context_tokens: int = 4096,
+        policy_version: int = 0,
+        timeout_s: float = 600.0,
+        max_connections: int = 64,
+    ) -> None:
+        from tslightning.rollout.vllm_server_publication import BACKENDS
+
+        problems = url_problems(urls)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.urls = [url.rstrip("/") for url in urls]
+        self._policy_dir, self._timeout_s = Path(policy_dir), timeout_s
+        self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
+        self._context_tokens = context_tokens
+        expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
+        problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._policy_version, self._failure, self._closed = policy_version - 1, None, False
+        self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
+        self._publishing, self._in_flight = False, [0] * len(self.urls)
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
+        self._local = threading.local()
+        self._sent = itertools.count()
+        self._transports = _join_transfer_groups(self.urls, transport, timeout_s)
+        try:
+            self._publish_checkpoint(policy_version)
+        except BaseException:
+            self.close()
+            raise
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
+        """Install ``state_dict`` (HF names) on every server at ``policy_version``; returns after each acknowledged.
+
+        Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
+        sent to the new one.
+
+        Raises:
+            ValueError: If ``policy_version`` does not increase.
+            RolloutEngineError: If a server failed a step; the engine is then unusable (servers may disagree).
+        """
+        start = time.perf_counter()
+        with self._gate:
+            self._check_next_version(policy_version)
+            self._publishing = True
+            self._gate.wait_for(lambda: not any(self._in_flight))
+        try:
+            for url, transport in zip(self.urls, self._transports, strict=True):
+                try:
+                    transport.publish(state_dict, policy_version)
+                except Exception as error:
+                    self._failure = (
+                        f"Publishing policy version {policy_version} to {url} failed ({error}); the servers may now "
+                        "serve different weights: close this engine, restart the servers and resume from a checkpoint."
+                    )
+                    raise RolloutEngineError(self._failure) from error
+            self._policy_version = policy_version
+        finally:
+            with self._gate:
+                self._publishing = False
+                self._gate.notify_all()
+        return PublishReceipt(policy_version, len(self.urls), time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Fail queued requests, wait for those in flight, leave the servers' transfer groups. Idempotent."""
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
+            self._gate.notify_all()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for transport in getattr(self, "_transports", []):
+            try:
+                transport.close()
+            except Exception:  # a server already gone has no group to leave
+                pass
+
+    def _publish_checkpoint(self, policy_version: int) -> None:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for path in sorted(self._policy_dir.glob("*.safetensors")):
+            state.update(load_file(path))
+        if not state:
+            raise ValueError(f"{self._policy_dir} holds no *.safetensors weights to publish as θ_0")
+        try:
+            self.publish(state, policy_version)
+        except RolloutEngineError as error:
+            raise ValueError(
+                f"rollout.server_urls: publishing θ_0 from {self._policy_dir} failed — a server serves another "
+                f"architecture than the policy, or cannot receive weights: {error.__cause__}"
+            ) from error
+
+    def _submit(self, requests_: list[GenerationRequest]) -> list[Future[Generation]]:
+        for request in requests_:
+            validate_request(request, self._vocab_size)
+            if len(request.prompt_token_ids) + request.max_tokens > self._context_tokens:
+                raise ValueError(
+                    f"Request {request.request_id!r}: {len(request.prompt_token_ids)} prompt + {request.max_tokens} "
+                    f"new tokens exceed the servers' context of {self._context_tokens}"
+                )
+        with self._gate:
+            self._raise_if_unusable()
+            return [self._pool.submit(self._generate, request) for request in requests_]
+
+    def _generate(self, request: GenerationRequest) -> Generation:
+        """One request on its session's server, at the version current when it was sent (a pool thread)."""
+        server, version = self._acquire(request)
+        start = time.perf_counter()
+        try:
+            # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
+            answer = self._post(self.urls[server], _generate_body(request, f"{request.request_id}#{next(self._sent)}"))
+        finally:
+            with self._gate:
+                self._in_flight[server] -= 1
+                self._gate.notify_all()
+        generation = _generation(request, answer, version, self.urls[server])
+        return Generation(
+            generation.request_id,
+            generation.token_ids,
+            generation.logprobs,
+            generation.finish_reason,
+            generation.policy_version,
+            {"request_s": time.perf_counter() - start, "server": float(server)},
+        )
+
+    def _acquire(self, request: GenerationRequest) -> tuple[int, int]:
+        """Wait out a publication, then count the request in flight on its session's server."""
+        session = request.session or request.request_id
+        with self._gate:
+            self._gate.wait_for(lambda: not self._publishing or self._closed)
+            self._raise_if_unusable()
+            server = self._sessions.get(session)
+            if server is None:
+                server = min(range(len(self.urls)), key=lambda s: self._in_flight[s])
+            self._sessions[session] = server
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > _SESSIONS_KEPT:
+                self._sessions.popitem(last=False)
+            self._in_flight[server] += 1
+            return server, self._policy_version
+
+    def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        try:
+            response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
+        except requests.RequestException as error:
+            self._failure = f"vLLM server {url} stopped answering ({type(error).__name__}: {error})."
+            raise RolloutEngineError(self._failure) from None
+        if response.status_code != 200:
+            raise RolloutEngineError(f"vLLM server {url} refused {body['request_id']!r}: {response.text[:300]}")
+        return response.json()
+
+
+def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "token_ids": list(request.prompt_token_ids),
+        "sampling_params": {
+            "max_tokens": request.max_tokens,
+            "seed": request.seed,
+            "temperature": request.temperature,
+            "top_p": 1.0,
+            "top_k": 0,  # 0 disables top-k in this vLLM
+            "stop_token_ids": list(request.stop_token_ids),
+            "ignore_eos": True,  # stop only on the request's stop tokens, like the other engines
+            "logprobs": 0,  # just the sampled token's log-prob
+            "detokenize": False,
+        },
+    }
+
+
+def _generation(request: GenerationRequest, answer: dict[str, Any], version: int, url: str) -> Generation:
+    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version``."""
+    choice = answer["choices"][0]
+    ids = tuple(choice["token_ids"])
+    spans = choice.get("weight_versions") or []
+    versions = sorted({span["version"] for span in spans})
+    covered = sum(span["end"] - span["start"] for span in spans)
+    if versions != [str(version)] or covered != len(ids):
+        raise RolloutEngineError(
+            f"vLLM server {url} sampled {request.request_id!r} at weight version(s) {versions} (spans {spans}), but "
+            f"the engine had published version {version}: refusing tokens of another policy (is another trainer "
+            "publishing to this server?)"
+        )
+    if choice["finish_reason"] not in ("stop", "length"):
+        raise RolloutEngineError(f"vLLM server {url} finished {request.request_id!r} with {choice['finish_reason']!r}")
+    content = choice["logprobs"]["content"]
+    if [entry["token_id"] for entry in content] != list(ids):
+        raise RolloutEngineError(f"vLLM server {url} returned log-probs of other tokens for {request.request_id!r}")
+    logprobs = tuple(float(entry["logprob"]) for entry in content)
+    return Generation(request.request_id, ids, logprobs, choice["finish_reason"], version)
+
+
+def _probe_ids(policy_dir: Path) -> tuple[int, ...]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    return tuple(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+
+
+def _join_transfer_groups(urls: Sequence[str], transport: str, timeout_s: float) -> list[Any]:
+    """One weight-transfer rendezvous per server (the learner is rank 0 of each group)."""
+    from tslightning.rollout.vllm_server_publication import ServerTransport, local_address_towards
+
+    transports: list[Any] = []
+    try:
+        for url in urls:
+            world = requests.get(f"{url}/get_world_size", timeout=timeout_s).json()["world_size"]
+            host_port = url.split("://", 1)[1].split("/", 1)[0]
+            host, port = host_port.rsplit(":", 1)
+            address = local_address_towards(host, int(port))
+            transports.append(ServerTransport(url, transport, 1 + int(world), address, timeout_s))
+    except BaseException:
+        for joined in transports:
+            joined.close()
+        raise
+    return transports
