@@ -136,25 +136,39 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        """Receive and load every parameter of the round (one ``update_weights`` call carries them all).
+
+        A parameter this model cannot load (another name or shape) does not stop the receiving — the trainer's
+        broadcasts must all be met — but fails the round once they are, as does a parameter of this model the
+        trainer did not send; the layerwise reload is finalized first, so the worker can take the next update.
+        """
         if self.group is None:
             raise RuntimeError("tslightning_gloo weight transfer is not initialized: call init_weight_transfer_engine")
+        refused: list[str] = []
         for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True):
             weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
             self.group.broadcast(weight, 0).wait()
-            self._loaded |= set(self.model.load_weights([(name, weight)]) or ())
+            try:
+                self._loaded |= set(self.model.load_weights([(name, weight)]) or ())
+            except Exception as error:
+                refused.append(f"{name} {tuple(shape)} ({type(error).__name__}: {error})")
+        missing = sorted(self._expected - self._loaded)
+        if refused or missing:
+            self._finalize()
+            raise RuntimeError(
+                f"the trainer trains another architecture than this server serves: {len(refused)} parameter(s) "
+                f"refused ({refused[:2]}), {len(missing)} of the server's not sent ({missing[:3]})"
+            )
 
     def finish_weight_update(self) -> None:
+        self._finalize()
+
+    def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
         if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
             retie_lm_head(self.model)
-        missing = sorted(self._expected - self._loaded)
-        if missing:  # the trainer's model lacks parameters this one has: it would serve them unchanged
-            raise RuntimeError(
-                f"the trainer sent no weights for {len(missing)} of this model's parameters ({missing[:4]} ...): it "
-                "trains another architecture than the server serves"
-            )
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -222,7 +236,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, asdict(update))
-            for _, tensor in _checked(self.source, meta):
+            for _, tensor in checked_pairs(self.source, meta):
                 if received.done():  # the workers failed before joining this broadcast: stop instead of hanging
                     received.result()
                 self.group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
@@ -239,7 +253,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.group = None
 
 
-def _checked(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+def checked_pairs(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
     """The source's pairs, each checked against the metadata the workers sized their receive buffers from."""
     count = 0
     for name, tensor in source:

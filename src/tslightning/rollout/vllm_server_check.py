@@ -11,6 +11,7 @@ the fix. Plain HTTP (``requests``): this module imports no vLLM.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,17 +22,48 @@ import requests
 PROBE_TEXT = "Count the lines in file.txt, then print the first error."
 """Text whose token ids the server's tokenizer and the policy's must agree on."""
 
-SERVER_FLAGS = (
-    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <policy dir> --enable-scale-out "
-    '--logprobs-mode processed_logprobs --weight-transfer-config \'{"backend": "<backend>"}\''
-)
+SERVER_FLAGS = "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server ... (README: Rollout servers)"
+
+BACKENDS = {"gloo": "tslightning_gloo", "nccl": "nccl"}
+"""The server's ``--weight-transfer-config`` backend each ``rollout.server_transport`` needs."""
+
+
+def server_command(
+    model: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    transport: str = "gloo",
+    dtype: str = "float32",
+    max_model_len: int = 4096,
+    python: str = "python",
+    extra: Sequence[str] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a vLLM server the ``vllm_server`` engine can use.
+
+    ``python -m vllm.entrypoints.openai.api_server`` (vLLM's ``vllm serve`` entry point crashes with the CPU
+    wheel), with the weight-sync routes, token-in/token-out generation, log-probs of the sampling distribution,
+    prefix caching and the transport's weight-transfer backend. Add ``--kv-cache-memory-bytes`` (CPU) or
+    ``--tensor-parallel-size`` (GPUs) through ``extra``.
+    """
+    backend = BACKENDS[transport]
+    command = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port", str(port),
+        "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-scale-out", "--enable-prefix-caching",
+        "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": backend}),
+    ]  # fmt: skip
+    if transport == "gloo":
+        command += ["--worker-extension-cls", "tslightning.rollout.vllm_gloo_transfer.GlooTransferWorkerExtension"]
+    return command + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def url_problems(urls: Sequence[str] | None) -> list[str]:
     """Malformed ``rollout.server_urls`` (no request is made)."""
     if not urls:
-        return ["rollout.server_urls is empty: give the URL of at least one running vLLM server, e.g. "
-                "'[http://127.0.0.1:8000]'"]  # fmt: skip
+        return [
+            "rollout.server_urls is empty: give the URL of at least one running vLLM server, e.g. "
+            "'[http://127.0.0.1:8000]'"
+        ]
     problems = []
     for url in urls:
         parsed = urlparse(url)
@@ -56,8 +88,10 @@ def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[
             )
             continue
         if not served:
-            problems.append(f"rollout.server_urls: {url} answered /v1/models with {response.status_code}, not a model "
-                            "list: is it a vLLM OpenAI-compatible server?")  # fmt: skip
+            problems.append(
+                f"rollout.server_urls: {url} answered /v1/models with {response.status_code}, not a model "
+                "list: is it a vLLM OpenAI-compatible server?"
+            )
     return problems
 
 
@@ -84,26 +118,35 @@ def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> li
     try:
         served = _json(session.get(f"{url}/v1/models", timeout=timeout_s))["data"][0]
         info = session.get(f"{url}/server_info", params={"config_format": "json"}, timeout=timeout_s)
-        version = session.get(f"{url}/weight_info", timeout=timeout_s)
-        tokens = _json(session.post(f"{url}/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False},
-                                    timeout=timeout_s))["tokens"]  # fmt: skip
-        generate = session.post(f"{url}/inference/v1/generate", json=_probe(expected.probe_ids), timeout=timeout_s)
+        paused = session.get(f"{url}/is_paused", timeout=timeout_s)
+        if info.status_code != 200 or paused.status_code != 200:
+            return [
+                f"rollout.server_urls: {url} has no weight-sync routes (/server_info, /is_paused): start it with "
+                f"VLLM_SERVER_DEV_MODE=1 ({SERVER_FLAGS})"
+            ]
+        body = {"prompt": PROBE_TEXT, "add_special_tokens": False}
+        tokens = _json(session.post(f"{url}/tokenize", json=body, timeout=timeout_s))["tokens"]
+        if paused.json().get("is_paused"):
+            return [
+                f"rollout.server_urls: {url} is paused (a publication failed there, or another trainer is updating "
+                "it): restart it, or POST /resume if its weights are known to be whole"
+            ]
+        probe = {"token_ids": list(expected.probe_ids), "sampling_params": {"max_tokens": 1, "detokenize": False}}
+        generate = session.post(f"{url}/inference/v1/generate", json=probe, timeout=timeout_s)
     except (requests.RequestException, ValueError, KeyError, IndexError) as error:
         return [f"rollout.server_urls: {url} did not answer like a vLLM server ({type(error).__name__}: {error})"]
-    model = served.get("root") or served.get("id")
-    if info.status_code != 200 or version.status_code != 200:
-        return [f"rollout.server_urls: {url} has no weight-sync routes (/server_info, /weight_info): start it with "
-                f"VLLM_SERVER_DEV_MODE=1 ({SERVER_FLAGS})"]  # fmt: skip
     problems = _config_problems(url, info.json()["vllm_config"], expected)
     if tuple(tokens) != expected.probe_ids:
         problems.append(
-            f"rollout.server_urls: {url} serves another model ({model}): its tokenizer encodes a probe as "
-            f"{list(tokens)[:8]}..., the policy's as {list(expected.probe_ids)[:8]}...; start it on the policy's "
-            "checkpoint (model.path, or <out_dir>/policy-0)"
+            f"rollout.server_urls: {url} serves another model ({served.get('root') or served.get('id')}): its "
+            f"tokenizer encodes a probe as {list(tokens)[:8]}..., the policy's as {list(expected.probe_ids)[:8]}...; "
+            "start it on the policy's checkpoint (model.path, or <out_dir>/policy-0)"
         )
     if generate.status_code != 200:
-        problems.append(f"rollout.server_urls: {url} refused token-in/token-out generation ({generate.status_code}: "
-                        f"{generate.text[:200]}); start it with --enable-scale-out")  # fmt: skip
+        problems.append(
+            f"rollout.server_urls: {url} refused token-in/token-out generation ({generate.status_code}: "
+            f"{generate.text[:200]}); start it with --enable-scale-out"
+        )
     return problems
 
 
@@ -119,24 +162,26 @@ def _config_problems(url: str, config: dict[str, Any], expected: Expected) -> li
                 " --worker-extension-cls tslightning.rollout.vllm_gloo_transfer.GlooTransferWorkerExtension"
                 if expected.backend == "tslightning_gloo"
                 else ""
-            )  # fmt: skip
+            )
         )
     if model.get("logprobs_mode") != "processed_logprobs":
-        problems.append(f"rollout.server_urls: {url} returns {model.get('logprobs_mode')!r} log-probs, not those of "
-                        "the sampling distribution: start it with --logprobs-mode processed_logprobs")  # fmt: skip
+        problems.append(
+            f"rollout.server_urls: {url} returns {model.get('logprobs_mode')!r} log-probs, not those of "
+            "the sampling distribution: start it with --logprobs-mode processed_logprobs"
+        )
     if int(model.get("max_model_len") or 0) < expected.context_tokens:
-        problems.append(f"rollout.server_urls: {url} serves {model.get('max_model_len')} tokens of context, a "
-                        f"trajectory needs {expected.context_tokens}: start it with --max-model-len "
-                        f"{expected.context_tokens} (or lower rollout.max_context_tokens)")  # fmt: skip
+        problems.append(
+            f"rollout.server_urls: {url} serves {model.get('max_model_len')} tokens of context, a "
+            f"trajectory needs {expected.context_tokens}: start it with --max-model-len "
+            f"{expected.context_tokens} (or lower rollout.max_context_tokens)"
+        )
     dtype = str(model.get("dtype", "")).removeprefix("torch.")
     if dtype != expected.dtype:
-        problems.append(f"rollout.server_urls: {url} serves {dtype}, the learner's serving dtype is "
-                        f"{expected.dtype}: start it with --dtype {expected.dtype}")  # fmt: skip
+        problems.append(
+            f"rollout.server_urls: {url} serves {dtype}, the learner's serving dtype is "
+            f"{expected.dtype}: start it with --dtype {expected.dtype}"
+        )
     return problems
-
-
-def _probe(probe_ids: Sequence[int]) -> dict[str, Any]:
-    return {"token_ids": list(probe_ids), "sampling_params": {"max_tokens": 1, "seed": 0, "detokenize": False}}
 
 
 def _json(response: requests.Response) -> Any:

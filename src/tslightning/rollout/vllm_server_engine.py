@@ -41,7 +41,7 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
-from tslightning.rollout.vllm_server_check import PROBE_TEXT, Expected, server_problems, url_problems
+from tslightning.rollout.vllm_server_check import BACKENDS, PROBE_TEXT, Expected, server_problems, url_problems
 
 __all__ = ["VLLMServerEngine"]
 
@@ -76,8 +76,6 @@ class VLLMServerEngine(QueuedEngine):
         timeout_s: float = 600.0,
         max_connections: int = 64,
     ) -> None:
-        from tslightning.rollout.vllm_server_publication import BACKENDS
-
         problems = url_problems(urls)
         if problems:
             raise ValueError("; ".join(problems))
@@ -91,8 +89,7 @@ class VLLMServerEngine(QueuedEngine):
             raise ValueError("; ".join(problems))
         self._policy_version, self._failure, self._closed = policy_version - 1, None, False
         self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
-        self._publishing, self._in_flight = False, [0] * len(self.urls)
-        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._publishing, self._router = False, SessionRouter(len(self.urls))
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
         self._local = threading.local()
         self._sent = itertools.count()
@@ -117,7 +114,7 @@ class VLLMServerEngine(QueuedEngine):
         with self._gate:
             self._check_next_version(policy_version)
             self._publishing = True
-            self._gate.wait_for(lambda: not any(self._in_flight))
+            self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
             for url, transport in zip(self.urls, self._transports, strict=True):
                 try:
@@ -186,7 +183,7 @@ class VLLMServerEngine(QueuedEngine):
             answer = self._post(self.urls[server], _generate_body(request, f"{request.request_id}#{next(self._sent)}"))
         finally:
             with self._gate:
-                self._in_flight[server] -= 1
+                self._router.done(server)
                 self._gate.notify_all()
         generation = _generation(request, answer, version, self.urls[server])
         return Generation(
@@ -200,19 +197,10 @@ class VLLMServerEngine(QueuedEngine):
 
     def _acquire(self, request: GenerationRequest) -> tuple[int, int]:
         """Wait out a publication, then count the request in flight on its session's server."""
-        session = request.session or request.request_id
         with self._gate:
             self._gate.wait_for(lambda: not self._publishing or self._closed)
             self._raise_if_unusable()
-            server = self._sessions.get(session)
-            if server is None:
-                server = min(range(len(self.urls)), key=lambda s: self._in_flight[s])
-            self._sessions[session] = server
-            self._sessions.move_to_end(session)
-            if len(self._sessions) > _SESSIONS_KEPT:
-                self._sessions.popitem(last=False)
-            self._in_flight[server] += 1
-            return server, self._policy_version
+            return self._router.send(request.session or request.request_id), self._policy_version
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         session = getattr(self._local, "session", None)
@@ -226,6 +214,37 @@ class VLLMServerEngine(QueuedEngine):
         if response.status_code != 200:
             raise RolloutEngineError(f"vLLM server {url} refused {body['request_id']!r}: {response.text[:300]}")
         return response.json()
+
+
+class SessionRouter:
+    """Which server each request goes to: a session's first request to the server with the fewest requests in
+    flight, its later ones to the same server (its prefix cache holds the earlier turns). Not thread-safe.
+
+    Args:
+        servers: How many servers there are.
+        sessions_kept: Sessions remembered, the least recently used forgotten first.
+    """
+
+    def __init__(self, servers: int, sessions_kept: int = _SESSIONS_KEPT) -> None:
+        self.in_flight = [0] * servers
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._kept = sessions_kept
+
+    def send(self, session: str) -> int:
+        """The server of ``session``'s next request, counted in flight until :meth:`done`."""
+        server = self._sessions.get(session)
+        if server is None:
+            server = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
+        self._sessions[session] = server
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > self._kept:
+            self._sessions.popitem(last=False)
+        self.in_flight[server] += 1
+        return server
+
+    def done(self, server: int) -> None:
+        """A request sent to ``server`` came back."""
+        self.in_flight[server] -= 1
 
 
 def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any]:

