@@ -8,6 +8,7 @@ sys.path.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,27 @@ def check_stop_token_ends_the_turn(engine: RolloutEngine, prompts) -> None:
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: end + 1]
     assert stopped.logprobs == pytest.approx(free.logprobs[: end + 1], abs=ATOL)
+
+
+def check_each_request_is_ready_when_done(engine: RolloutEngine, prompts) -> None:
+    """Submitted together, short requests are answered while long ones still decode: readiness is per request,
+    not per batch (ordering only, no speed)."""
+    lengths = [400, 2, 100]
+    done: list[str] = []
+    lock = threading.Lock()
+
+    def record(future):
+        with lock:
+            done.append(future.result().request_id)
+
+    futures = [engine.submit(GenerationRequest(f"len{n}", prompts[0], n, seed=n)) for n in lengths]
+    for future in futures:
+        future.add_done_callback(record)
+    futures[1].result(120)
+    assert not futures[0].done(), "the 2-token turn waited for the 400-token one: a batch-sized wave"
+    for future in futures:
+        future.result(120)
+    assert done == ["len2", "len100", "len400"]
 
 
 def check_served_by(generation: Generation, version: int, served, instead_of, prompt) -> None:

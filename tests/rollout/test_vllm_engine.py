@@ -14,6 +14,7 @@ import torch
 from engine_checks import (
     chat_prompts,
     check_alone_and_in_a_batch_sample_the_same,
+    check_each_request_is_ready_when_done,
     check_in_flight_requests_finish_under_the_old_version,
     check_restores,
     check_sampled_ids_and_logprobs,
@@ -70,6 +71,11 @@ def test_request_samples_the_same_alone_and_in_a_batch(engine, prompts):
 
 def test_stop_token_ends_the_turn(engine, prompts):
     check_stop_token_ends_the_turn(engine, prompts)
+
+
+def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):
+    """Requests go to vLLM's engine one by one as they are submitted and come back in the step that finishes them."""
+    check_each_request_is_ready_when_done(engine, prompts)
 
 
 def test_publication_serves_the_new_weights_then_restores(engine, tiny):

@@ -4,13 +4,12 @@ version the engine did not publish."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import requests
 from engine_checks import (
     chat_prompts,
     check_alone_and_in_a_batch_sample_the_same,
+    check_each_request_is_ready_when_done,
     check_in_flight_requests_finish_under_the_old_version,
     check_restores,
     check_sampled_ids_and_logprobs,
@@ -84,23 +83,7 @@ def test_in_flight_requests_finish_under_the_old_version(engine, tiny, prompts):
 
 
 def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):
-    """Submitted together, short requests are answered while long ones still decode: readiness is per request."""
-    lengths = [400, 2, 100]
-    done: list[str] = []
-    lock = threading.Lock()
-
-    def record(future):
-        with lock:
-            done.append(future.result().request_id)
-
-    futures = [engine.submit(GenerationRequest(f"len{n}", prompts[0], n, seed=n)) for n in lengths]
-    for future in futures:
-        future.add_done_callback(record)
-    futures[1].result(120)
-    assert not futures[0].done(), "the 2-token turn waited for the 400-token one: a batch-sized wave"
-    for future in futures:
-        future.result(120)
-    assert done == ["len2", "len100", "len400"]
+    check_each_request_is_ready_when_done(engine, prompts)
 
 
 def test_a_version_the_engine_did_not_publish_is_refused(engine, prompts, vllm_server):

@@ -23,6 +23,7 @@ core in its own process; entry scripts then need an ``if __name__ == "__main__":
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import random
@@ -135,9 +136,12 @@ class VLLMRolloutEngine(QueuedEngine):
             raise
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.sampling_params import RequestOutputKind
 
-        self._sampling_params, self._tokens_prompt, self._engine_dead = SamplingParams, TokensPrompt, EngineDeadError
+        self._sampling_params, self._tokens_prompt = SamplingParams, TokensPrompt
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._request_ids = itertools.count()
+        self._llm.llm_engine.set_weight_version(str(policy_version))
         model_config = self._llm.llm_engine.model_config
         self._vocab_size, self._max_model_len = model_config.get_vocab_size(), model_config.max_model_len
         self._policy_version = policy_version
@@ -212,59 +216,83 @@ class VLLMRolloutEngine(QueuedEngine):
         return futures
 
     def _dispatch(self) -> None:
-        """Dispatcher thread: the only user of ``self._llm``; serves batches and publications in arrival order."""
-        backlog: list[Any] = []
+        """Dispatcher thread, the only user of ``self._llm``: adds each request to vLLM's engine the moment it arrives
+        and steps the engine, resolving each future in the step its request finishes (continuous batching,
+        per-request readiness). A publication stops admitting requests, lets the running ones finish at the old
+        version, reloads, and then admits the requests that arrived meanwhile."""
+        running: dict[str, tuple[GenerationRequest, Future[Generation], float]] = {}
+        held: list[tuple[GenerationRequest, Future[Generation]]] = []
+        load, stopping = None, False
         while True:
-            message = backlog.pop() if backlog else self._inbox.get()
-            if message is _STOP or self._failure is not None:
-                self._fail_queued(message, backlog)
+            for message in self._messages(block=not running and load is None and not stopping):
+                if message is _STOP:
+                    stopping = True
+                elif message[0] == "load":
+                    load = message
+                elif load is not None or stopping:
+                    held.extend(message[1])
+                else:
+                    self._add(message[1], running)
+            if running and self._failure is None:
+                self._step(running)
+            elif stopping or self._failure is not None:
+                self._fail([*running.values()], held, load)
                 return
-            if message[0] == "load":
-                self._load(*message[1:])
-                continue
-            batch = list(message[1])
-            while True:  # batch whatever else is pending, but never across a publication
-                try:
-                    following = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if following is _STOP or following[0] != "generate":
-                    backlog.append(following)
-                    break
-                batch.extend(following[1])
-            self._run(batch)
+            elif load is not None:
+                self._load(*load[1:])
+                load, waiting, held = None, held, []
+                self._add(waiting, running)
 
-    def _run(self, batch: list[tuple[GenerationRequest, Future[Generation]]]) -> None:
-        batch = [(request, future) for request, future in batch if future.set_running_or_notify_cancel()]
-        if not batch:
-            return
-        start = time.perf_counter()
-        try:
-            outputs = self._llm.generate(
-                [self._tokens_prompt(prompt_token_ids=list(request.prompt_token_ids)) for request, _ in batch],
-                [self._sampling(request) for request, _ in batch],
-                use_tqdm=False,
-            )
-        except Exception as error:
-            if isinstance(error, self._engine_dead):
-                self._failure = f"The vLLM engine died ({error!r}): close this engine and start a new one."
-            for _, future in batch:
-                future.set_exception(RolloutEngineError(f"vLLM generation failed: {error!r}"))
-            return
-        timing = {"batch_size": float(len(batch)), "generate_s": time.perf_counter() - start}
-        for (request, future), output in zip(batch, outputs, strict=True):
-            completion = output.outputs[0]
-            if completion.finish_reason not in ("stop", "length"):
-                future.set_exception(
-                    RolloutEngineError(f"vLLM finished {request.request_id!r} with {completion.finish_reason!r}")
-                )
+    def _messages(self, block: bool) -> list[Any]:
+        """What arrived since the last call, in order; waits for one message when ``block``."""
+        messages = [self._inbox.get()] if block else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                messages.append(self._inbox.get_nowait())
+        return messages
+
+    def _add(self, requests: list[tuple[GenerationRequest, Future[Generation]]], running: dict) -> None:
+        """Hand each request to vLLM's engine now (its turn is ready), at the version it serves."""
+        for request, future in requests:
+            if not future.set_running_or_notify_cancel():
                 continue
-            ids = tuple(completion.token_ids)
-            logprobs = tuple(completion.logprobs[i][token].logprob for i, token in enumerate(ids))
-            generation = Generation(
-                request.request_id, ids, logprobs, completion.finish_reason, self._policy_version, timing
+            request_id = str(next(self._request_ids))
+            try:
+                prompt = self._tokens_prompt(prompt_token_ids=list(request.prompt_token_ids))
+                self._llm.llm_engine.add_request(request_id, prompt, self._sampling(request))
+            except Exception as error:
+                future.set_exception(RolloutEngineError(f"vLLM refused {request.request_id!r}: {error!r}"))
+                continue
+            running[request_id] = (request, future, time.perf_counter())
+
+    def _step(self, running: dict[str, tuple[GenerationRequest, Future[Generation], float]]) -> None:
+        try:
+            outputs = self._llm.llm_engine.step()
+        except Exception as error:
+            self._failure = f"The vLLM engine failed ({error!r}): close this engine and start a new one."
+            return
+        for output in outputs:
+            if not output.finished:
+                continue
+            request, future, start = running.pop(output.request_id)
+            try:
+                future.set_result(self._generation(request, output.outputs[0], time.perf_counter() - start))
+            except RolloutEngineError as error:
+                future.set_exception(error)
+
+    def _generation(self, request: GenerationRequest, completion: Any, seconds: float) -> Generation:
+        """The :class:`Generation` of a finished request, refused unless every token was sampled at this version."""
+        if completion.finish_reason not in ("stop", "length"):
+            raise RolloutEngineError(f"vLLM finished {request.request_id!r} with {completion.finish_reason!r}")
+        ids = tuple(completion.token_ids)
+        versions = sorted({span.version for span in completion.weight_versions or []})
+        if versions != [str(self._policy_version)]:
+            raise RolloutEngineError(
+                f"vLLM sampled {request.request_id!r} at weight version(s) {versions}, not {self._policy_version}"
             )
-            future.set_result(generation)
+        logprobs = tuple(completion.logprobs[i][token].logprob for i, token in enumerate(ids))
+        timing = {"generate_s": seconds}
+        return Generation(request.request_id, ids, logprobs, completion.finish_reason, self._policy_version, timing)
 
     def _sampling(self, request: GenerationRequest) -> Any:
         return self._sampling_params(
@@ -277,6 +305,7 @@ class VLLMRolloutEngine(QueuedEngine):
             ignore_eos=True,  # stop only on the request's stop tokens, like the HF engine
             logprobs=0,  # just the sampled token's log-prob
             detokenize=False,
+            output_kind=self._final_only,  # one output per request, when it finishes
         )
 
     def _load(self, layout: dict[str, Any], policy_version: int, done: Future[int]) -> None:
@@ -285,6 +314,7 @@ class VLLMRolloutEngine(QueuedEngine):
             # Cached KV blocks were computed by the old weights: a prefix hit would mix versions.
             if not self._llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache")
+            self._llm.llm_engine.set_weight_version(str(policy_version))
         except Exception as error:
             self._failure = f"Publishing policy version {policy_version} failed ({error!r}); the workers may hold " + (
                 "partially loaded weights: close this engine and start a new one."
@@ -294,21 +324,20 @@ class VLLMRolloutEngine(QueuedEngine):
         self._policy_version = policy_version
         done.set_result(len(loaded))
 
-    def _fail_queued(self, message: Any, backlog: list[Any]) -> None:
+    def _fail(self, running: list, held: list, load: Any) -> None:
+        """Fail what can no longer run: the requests running (after a failure), held or still queued, a publication."""
         error = RolloutEngineError(self._failure or "The rollout engine was closed before this request ran.")
-        pending = [message, *backlog]
-        with contextlib.suppress(queue.Empty):
-            while True:
-                pending.append(self._inbox.get_nowait())
-        for item in pending:
-            if item is _STOP:
-                continue
-            if item[0] == "load":
-                item[3].set_exception(error)
-            else:
-                for _, future in item[1]:
-                    if future.set_running_or_notify_cancel():
-                        future.set_exception(error)
+        queued = [item for item in self._messages(block=False) if item is not _STOP]
+        loads = [item for item in [load, *queued] if item is not None and item[0] == "load"]
+        for _, future, _ in running:  # already handed to vLLM: running
+            future.set_exception(error)
+        waiting = [future for _, future in held]
+        waiting += [future for item in queued if item[0] == "generate" for _, future in item[1]]
+        for future in waiting:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        for item in loads:
+            item[3].set_exception(error)
 
 
 def _start_llm(
