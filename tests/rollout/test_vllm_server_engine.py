@@ -4,6 +4,8 @@ version the engine did not publish."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import requests
 from engine_checks import (
@@ -107,6 +109,35 @@ def test_invalid_requests_are_refused_at_submit(engine, prompts):
         engine.submit(GenerationRequest("long", prompts[0], 4096, seed=1))
 
 
+def test_a_server_that_stops_answering_is_dropped_and_its_turns_go_to_another(engine, prompts, monkeypatch):
+    """Server 0 is gone (nothing listens): the turn is sent again to server 1 — same seed and version, so the same
+    tokens; the failed attempt returned none, so nothing is counted twice — and server 0 gets no more requests."""
+    request = GenerationRequest("failover", prompts[1], 8, seed=5)
+    expected = engine.generate([request], 60)[0]
+    monkeypatch.setattr(engine, "urls", [f"http://127.0.0.1:{_closed_port()}", engine.urls[0]])
+    monkeypatch.setattr(engine, "_router", SessionRouter(2))
+    generation = engine.generate([request], 60)[0]
+    assert (generation.token_ids, generation.logprobs) == (expected.token_ids, expected.logprobs)
+    assert generation.timing["server"] == 1.0 and engine._router.alive == [1]
+
+
+def test_when_every_server_is_gone_the_engine_fails_with_a_clear_error(engine, prompts, monkeypatch):
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setattr(engine, "urls", [dead])
+    monkeypatch.setattr(engine, "_router", SessionRouter(1))
+    monkeypatch.setattr(engine, "_failure", None)  # restored afterwards: the module's engine serves on
+    with pytest.raises(RolloutEngineError, match=rf"Every vLLM server stopped answering \(last: vLLM server {dead}"):
+        engine.generate([GenerationRequest("gone", prompts[1], 8, seed=5)], 60)
+    with pytest.raises(RolloutEngineError, match="Every vLLM server stopped answering"):
+        engine.submit(GenerationRequest("after", prompts[1], 8, seed=5))
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_another_architecture_fails_publication_and_leaves_the_server_paused(engine, tiny, vllm_server):
     """Last on this engine (it is unusable afterwards): weights missing a layer are refused by the server, which
     stays paused (nothing samples half-loaded weights) until restarted or resumed."""
@@ -128,6 +159,8 @@ def test_router_keeps_a_session_on_its_server_and_balances_new_ones():
     router.done(0)
     assert router.in_flight == [0, 1]
     assert router.send("g1/0") == 0
+    router.drop(0)
+    assert router.send("g0/0") == 1  # a dropped server's session moves on at its next request
     for name in ("a", "b", "c"):
         router.send(name)
     assert "g0/0" not in router._sessions  # the least recently used session was forgotten

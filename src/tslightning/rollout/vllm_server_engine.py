@@ -13,6 +13,10 @@ old version) and holds new ones until every server acknowledged the new version;
 against the version the server reports for each of its tokens, and a mismatch fails that request
 (:class:`~tslightning.rollout.engine.RolloutEngineError`): no token sampled at another version reaches the learner.
 
+A server that stops answering is dropped: its requests are sent again to another server (same seed, same version,
+so the same tokens; the failed attempt returned none, so no turn is counted twice or lost) and publications leave it
+out; when none is left the engine fails with :class:`~tslightning.rollout.engine.RolloutEngineError`.
+
 At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
 group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
 does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
@@ -106,6 +110,8 @@ class VLLMServerEngine(QueuedEngine):
         Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
         sent to the new one.
 
+        Servers dropped after they stopped answering are left out (they would need θ_k before serving again).
+
         Raises:
             ValueError: If ``policy_version`` does not increase.
             RolloutEngineError: If a server failed a step; the engine is then unusable (servers may disagree).
@@ -116,7 +122,8 @@ class VLLMServerEngine(QueuedEngine):
             self._publishing = True
             self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
-            for url, transport in zip(self.urls, self._transports, strict=True):
+            for server in list(self._router.alive):
+                url, transport = self.urls[server], self._transports[server]
                 try:
                     transport.publish(state_dict, policy_version)
                 except Exception as error:
@@ -130,7 +137,7 @@ class VLLMServerEngine(QueuedEngine):
             with self._gate:
                 self._publishing = False
                 self._gate.notify_all()
-        return PublishReceipt(policy_version, len(self.urls), time.perf_counter() - start)
+        return PublishReceipt(policy_version, len(self._router.alive), time.perf_counter() - start)
 
     def close(self) -> None:
         """Fail queued requests, wait for those in flight, leave the servers' transfer groups. Idempotent."""
@@ -172,19 +179,29 @@ class VLLMServerEngine(QueuedEngine):
                 )
         with self._gate:
             self._raise_if_unusable()
-            return [self._pool.submit(self._generate, request) for request in requests_]
+            # Counted in flight now, at this version, unless a publication is under way: publish then waits for
+            # them, so a request submitted before publish was called is answered by the old version.
+            tickets = [None if self._publishing else self._ticket(request) for request in requests_]
+            return [self._pool.submit(self._generate, r, t) for r, t in zip(requests_, tickets, strict=True)]
 
-    def _generate(self, request: GenerationRequest) -> Generation:
-        """One request on its session's server, at the version current when it was sent (a pool thread)."""
-        server, version = self._acquire(request)
-        start = time.perf_counter()
-        try:
-            # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
-            answer = self._post(self.urls[server], _generate_body(request, f"{request.request_id}#{next(self._sent)}"))
-        finally:
-            with self._gate:
-                self._router.done(server)
-                self._gate.notify_all()
+    def _generate(self, request: GenerationRequest, ticket: tuple[int, int] | None) -> Generation:
+        """One request on its session's server, at the version current when it was sent (a pool thread). A server
+        that stops answering is dropped and the request sent again to another (same seed, same version: the same
+        tokens; the failed attempt returned none); with no server left the engine fails."""
+        while True:
+            server, version = ticket or self._acquire(request)
+            ticket, start = None, time.perf_counter()
+            try:
+                # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
+                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}")
+                answer = self._post(self.urls[server], body)
+                break
+            except ServerGone as gone:
+                self._drop(server, gone)
+            finally:
+                with self._gate:
+                    self._router.done(server)
+                    self._gate.notify_all()
         generation = _generation(request, answer, version, self.urls[server])
         return Generation(
             generation.request_id,
@@ -195,12 +212,24 @@ class VLLMServerEngine(QueuedEngine):
             {"request_s": time.perf_counter() - start, "server": float(server)},
         )
 
+    def _drop(self, server: int, gone: ServerGone) -> None:
+        """Serve without ``server`` from now on; fail the engine when it was the last one."""
+        with self._gate:
+            self._router.drop(server)
+            if not self._router.alive:
+                self._failure = f"Every vLLM server stopped answering (last: {gone}): restart them and resume."
+                raise RolloutEngineError(self._failure) from None
+
     def _acquire(self, request: GenerationRequest) -> tuple[int, int]:
         """Wait out a publication, then count the request in flight on its session's server."""
         with self._gate:
             self._gate.wait_for(lambda: not self._publishing or self._closed)
             self._raise_if_unusable()
-            return self._router.send(request.session or request.request_id), self._policy_version
+            return self._ticket(request)
+
+    def _ticket(self, request: GenerationRequest) -> tuple[int, int]:
+        """(server, version) of a request counted in flight; call with the gate held."""
+        return self._router.send(request.session or request.request_id), self._policy_version
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         session = getattr(self._local, "session", None)
@@ -209,8 +238,7 @@ class VLLMServerEngine(QueuedEngine):
         try:
             response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
         except requests.RequestException as error:
-            self._failure = f"vLLM server {url} stopped answering ({type(error).__name__}: {error})."
-            raise RolloutEngineError(self._failure) from None
+            raise ServerGone(f"vLLM server {url} stopped answering ({type(error).__name__}: {error})") from None
         if response.status_code != 200:
             raise RolloutEngineError(f"vLLM server {url} refused {body['request_id']!r}: {response.text[:300]}")
         return response.json()
@@ -227,14 +255,15 @@ class SessionRouter:
 
     def __init__(self, servers: int, sessions_kept: int = _SESSIONS_KEPT) -> None:
         self.in_flight = [0] * servers
+        self.alive = list(range(servers))
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._kept = sessions_kept
 
     def send(self, session: str) -> int:
         """The server of ``session``'s next request, counted in flight until :meth:`done`."""
         server = self._sessions.get(session)
-        if server is None:
-            server = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
+        if server is None or server not in self.alive:
+            server = min(self.alive, key=self.in_flight.__getitem__)
         self._sessions[session] = server
         self._sessions.move_to_end(session)
         if len(self._sessions) > self._kept:
@@ -245,6 +274,15 @@ class SessionRouter:
     def done(self, server: int) -> None:
         """A request sent to ``server`` came back."""
         self.in_flight[server] -= 1
+
+    def drop(self, server: int) -> None:
+        """``server`` stopped answering: its sessions move to the others at their next request."""
+        if server in self.alive:
+            self.alive.remove(server)
+
+
+class ServerGone(RolloutEngineError):
+    """A server stopped answering (connection refused, reset or timed out)."""
 
 
 def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any]:
