@@ -8,6 +8,7 @@ import pytest
 
 from tslightning.tasks.simulated_tool import (
     GAUGE_COMMAND,
+    SimulatedToolAttempt,
     SimulatedToolEnvironment,
     SimulatedToolSettings,
     gauge_demonstrations,
@@ -145,3 +146,38 @@ def test_a_manual_of_the_given_length_opens_every_instruction():
     assert all(t.instruction.startswith(manual) for t in tasks)
     assert tasks[1].instruction.endswith("Read the gauge 2 times with read-gauge, then finish.")
     assert simulated_tasks(settings())[0].instruction == "Read the gauge once with read-gauge, then finish."
+
+
+def test_long_tail_stragglers_take_about_half_of_the_rollout():
+    """The balanced bench workload's latencies with ``arrival: long_tail``: about 10% of attempts are stragglers, and
+    in a batch of 32 the 90th-percentile attempt's tool time is about half the slowest one's (mean over 40 batches)."""
+    bench = {"num_tasks": 8, "max_calls": 4, "median_latency_s": 0.25, "latency_sigma": 0.5, "max_latency_s": 1.5}
+    long_tail = SimulatedToolSettings(**bench, arrival="long_tail")
+    tasks = simulated_tasks(long_tail)
+    ratios, stragglers = [], 0
+    for batch in range(40):
+        attempts = [SimulatedToolAttempt(t, long_tail, 4 * batch + i) for t in tasks for i in range(4)]
+        stragglers += sum(a.straggler for a in attempts)
+        times = sorted(sum(a.call_latency(c) for c in range(a.task.target_calls)) for a in attempts)
+        ratios.append(times[int(0.9 * len(times)) - 1] / times[-1])
+    assert 0.05 <= stragglers / (40 * 32) <= 0.15
+    assert 0.4 <= sum(ratios) / len(ratios) <= 0.6
+
+
+def test_a_straggler_calls_take_the_tail_factor_longer_and_waves_has_none():
+    task = simulated_tasks(settings())[2]
+    waves = SimulatedToolSettings(median_latency_s=0.2, latency_sigma=0.5, max_latency_s=0.3)
+    long_tail = SimulatedToolSettings(
+        median_latency_s=0.2, latency_sigma=0.5, max_latency_s=0.3, arrival="long_tail", tail_fraction=1.0
+    )
+    plain, straggler = SimulatedToolAttempt(task, waves, 0), SimulatedToolAttempt(task, long_tail, 0)
+    assert not plain.straggler and straggler.straggler
+    for call in range(3):
+        assert straggler.call_latency(call) == pytest.approx(2.5 * plain.call_latency(call))  # the cap scales too
+    assert not any(SimulatedToolAttempt(task, waves, o).straggler for o in range(50))
+
+
+@pytest.mark.parametrize(("field", "value"), [("tail_fraction", 1.5), ("tail_latency_factor", 0.5)])
+def test_bad_tail_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        settings(**{field: value})

@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Literal
 
 from tslightning.tasks.demonstrations import Demonstration
 
@@ -55,6 +56,17 @@ class SimulatedToolSettings:
     """Per-attempt log-normal shape: spreads whole trajectories' durations (and so their ready times)."""
     max_latency_s: float = 5.0
     """Cap on one call's latency (the tool timeout)."""
+    arrival: Literal["waves", "long_tail"] = "waves"
+    """``waves``: every attempt's latencies from the log-normals above (with ``max_concurrent_attempts`` below the
+    batch, trajectories become ready in waves); ``long_tail``: besides, a seeded ``tail_fraction`` of attempts are
+    stragglers whose calls all take ``tail_latency_factor`` times as long (their cap too) — the characterization
+    [QHH+26] cites, where the slowest 10% of trajectories take about half of the rollout time."""
+    tail_fraction: float = 0.1
+    """``long_tail``: share of attempts that are stragglers, in [0, 1]."""
+    tail_latency_factor: float = 2.5
+    """``long_tail``: how many times longer a straggler's calls take (≥ 1). With the balanced bench workload's
+    latencies (B = 32 attempts of 1-4 calls, ``attempt_latency_sigma`` 0), 2.5 puts the 90th-percentile attempt's
+    tool time at 0.49 of the slowest one's on average (tests/tasks/test_simulated_tool.py)."""
     verify_median_latency_s: float = 0.0
     """Median seconds the reward check takes after the last turn (0: the reward is immediate)."""
     verify_latency_sigma: float = 1.0
@@ -87,6 +99,11 @@ class SimulatedToolSettings:
             problems.append(f"max_latency_s ({self.max_latency_s}) must be >= median_latency_s")
         if self.max_reading_chars < self.min_reading_chars:
             problems.append("max_reading_chars must be >= min_reading_chars")
+        if not 0.0 <= self.tail_fraction <= 1.0 or self.tail_latency_factor < 1.0:
+            problems.append(
+                f"tail_fraction must be in [0, 1] and tail_latency_factor >= 1; got {self.tail_fraction}, "
+                f"{self.tail_latency_factor}"
+            )
         if problems:
             raise ValueError("rollout.simulated_tool: " + "; ".join(problems))
 
@@ -188,14 +205,18 @@ class SimulatedToolAttempt:
         self.commands = 0
         """Commands run so far (the call index that seeds each latency)."""
         self.tool_seconds = 0.0
+        self.straggler = settings.arrival == "long_tail" and self._rng("tail").random() < settings.tail_fraction
+        """Whether this attempt is one of a ``long_tail`` workload's stragglers."""
+        self.tail_factor = settings.tail_latency_factor if self.straggler else 1.0
         self.latency_scale = math.exp(settings.attempt_latency_sigma * self._rng(-1).gauss(0.0, 1.0))
         """This attempt's latency multiplier exp(attempt_latency_sigma · z_a)."""
 
     def run_command(self, command: str) -> GaugeOutcome:
         """Sleep the call's latency; a gauge read returns a reading, any other command fails with exit code 127."""
+        latency = self.call_latency(self.commands)
         rng = self._rng(self.commands)
+        rng.gauss(0.0, 1.0)  # the draw call_latency made: the reading comes after it
         self.commands += 1
-        latency = self._latency(rng)
         time.sleep(latency)
         self.tool_seconds += latency
         if command.strip() != GAUGE_COMMAND:
@@ -228,10 +249,12 @@ class SimulatedToolAttempt:
         key = f"{self.settings.seed}/{self.task.task_id}/{self.ordinal}/{call}".encode()
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
-    def _latency(self, rng: random.Random) -> float:
+    def call_latency(self, call: int) -> float:
+        """Seconds the ``call``-th command (0-based) of this attempt takes: a pure function of the seed, the task,
+        the attempt ordinal and ``call``."""
         s = self.settings
-        scale = self.latency_scale * math.exp(s.latency_sigma * rng.gauss(0.0, 1.0))
-        return min(s.max_latency_s, s.median_latency_s * scale)
+        scale = self.latency_scale * math.exp(s.latency_sigma * self._rng(call).gauss(0.0, 1.0))
+        return self.tail_factor * min(s.max_latency_s, s.median_latency_s * scale)
 
 
 class SimulatedToolEnvironment:
