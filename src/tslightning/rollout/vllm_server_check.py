@@ -6,7 +6,8 @@ published) checks what the protocol needs: the weight-sync routes (``VLLM_SERVER
 route (``--enable-scale-out``), the weight-transfer backend, log-probs of the sampling distribution
 (``--logprobs-mode processed_logprobs``), the context length, the dtype, and that the server serves the same model —
 its tokenizer encodes a probe like the policy's does. Every problem is one line naming ``rollout.server_urls`` and
-the fix. Plain HTTP (``requests``): this module imports no vLLM.
+the fix. Plain HTTP (``requests``, imported when a server is asked: it comes with vLLM); this module imports no vLLM,
+so the settings can use it in any install.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
-
-import requests
 
 PROBE_TEXT = "Count the lines in file.txt, then print the first error."
 """Text whose token ids the server's tokenizer and the policy's must agree on."""
@@ -76,6 +75,8 @@ def url_problems(urls: Sequence[str] | None) -> list[str]:
 
 def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[str]:
     """Each URL that does not answer ``GET /v1/models`` like a vLLM OpenAI-compatible server."""
+    import requests  # vLLM's dependency: the vllm_server engine needs vLLM installed
+
     problems = []
     for url in urls:
         try:
@@ -114,6 +115,8 @@ class Expected:
 
 def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> list[str]:
     """Everything ``url`` lacks for serving this run (empty: it can serve); see the module docstring."""
+    import requests
+
     session = requests.Session()
     try:
         served = _json(session.get(f"{url}/v1/models", timeout=timeout_s))["data"][0]
@@ -184,7 +187,7 @@ def _config_problems(url: str, config: dict[str, Any], expected: Expected) -> li
     return problems
 
 
-def _json(response: requests.Response) -> Any:
+def _json(response: Any) -> Any:
     if response.status_code != 200:
         raise ValueError(f"{response.url} answered {response.status_code}: {response.text[:200]}")
     return response.json()
