@@ -52,6 +52,8 @@ __all__ = ["VLLMRolloutEngine"]
 _EXTENSION = "tslightning.rollout.vllm_worker_extension.WeightPublicationExtension"
 _CPU_KV_CACHE_BYTES = 256 * 2**20
 _STOP = object()
+# How long ``close`` waits for the running batch before aborting it, then for the dispatcher after the abort.
+_CLOSE_GRACE_S = 30.0
 
 
 class VLLMRolloutEngine(QueuedEngine):
@@ -186,13 +188,17 @@ class VLLMRolloutEngine(QueuedEngine):
             return PublishReceipt(policy_version, workers, time.perf_counter() - start)
 
     def close(self) -> None:
-        """Finish the running batch, fail queued requests, shut vLLM down and free the shared buffer. Idempotent."""
+        """Finish the running batch (aborting it after a grace period), fail queued requests, shut vLLM down and free
+        the shared buffer. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._inbox.put(_STOP)
-        self._dispatcher.join()
+        self._dispatcher.join(_CLOSE_GRACE_S)
+        if self._dispatcher.is_alive():
+            self._abort_running_batch()
+            self._dispatcher.join(_CLOSE_GRACE_S)
         with contextlib.suppress(Exception):
             self._llm.llm_engine.engine_core.shutdown()
         del self._llm
@@ -200,6 +206,17 @@ class VLLMRolloutEngine(QueuedEngine):
             self._host.restore()
         if self._weights is not None:
             self._weights.close()
+
+    def _abort_running_batch(self) -> None:
+        """Abort every request still running, so the dispatcher's step loop ends.
+
+        Only for ``close``: requests that do not finish within the grace period (a wedged scheduler: vLLM 0.32 was
+        seen looping forever on a request it never schedules again) must not hang the caller. They come back
+        finished by an abort, or not at all, and their futures fail.
+        """
+        engine = self._llm.llm_engine
+        with contextlib.suppress(Exception):
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def _submit(self, requests: list[GenerationRequest]) -> list[Future[Generation]]:
         for request in requests:
@@ -266,8 +283,15 @@ class VLLMRolloutEngine(QueuedEngine):
             running[request_id] = (request, future, time.perf_counter())
 
     def _step(self, running: dict[str, tuple[GenerationRequest, Future[Generation], float]]) -> None:
+        engine = self._llm.llm_engine
+        if not engine.has_unfinished_requests():  # aborted by ``close`` without an output
+            aborted = RolloutEngineError("vLLM generation was aborted: the engine is closing.")
+            for _, future, _ in running.values():
+                future.set_exception(aborted)
+            running.clear()
+            return
         try:
-            outputs = self._llm.llm_engine.step()
+            outputs = engine.step()
         except Exception as error:
             self._failure = f"The vLLM engine failed ({error!r}): close this engine and start a new one."
             return
@@ -282,6 +306,8 @@ class VLLMRolloutEngine(QueuedEngine):
 
     def _generation(self, request: GenerationRequest, completion: Any, seconds: float) -> Generation:
         """The :class:`Generation` of a finished request, refused unless every token was sampled at this version."""
+        if completion.finish_reason == "abort":
+            raise RolloutEngineError(f"vLLM generation of {request.request_id!r} was aborted: the engine is closing.")
         if completion.finish_reason not in ("stop", "length"):
             raise RolloutEngineError(f"vLLM finished {request.request_id!r} with {completion.finish_reason!r}")
         ids = tuple(completion.token_ids)
