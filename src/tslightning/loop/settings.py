@@ -165,6 +165,9 @@ class RolloutSettings:
     ``None``: the policy's ``max_position_embeddings``."""
     reward_scheme: Literal["seta", "binary"] = "seta"
     """``seta``: partial credit p + 0.5·1[p = 1] for a fraction p of passed tests; ``binary``: 1 when all pass."""
+    reward_key: str = "reward"
+    """The named reward of a verifier's ``reward.json`` read as the pass fraction p (Harbor tasks may report several,
+    e.g. ``{"correctness": 1, "performance": 0.4}``); test counts, when present, are p under the default key."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``rollout.*``) and the fix."""
@@ -187,6 +190,8 @@ class RolloutSettings:
             problems.append(f"rollout.dev_fraction must be in [0, 1]; got {self.dev_fraction}")
         if self.task_names is not None and not self.task_names:
             problems.append("rollout.task_names is empty: name at least one task, or null for every task")
+        if not self.reward_key:
+            problems.append("rollout.reward_key is empty: name the reward.json key to train on (default: reward)")
         return problems
 
 

@@ -71,12 +71,21 @@ def select_tasks(rollout: RolloutSettings) -> TaskSelection:
         directories = [d for d in directories if d.name in rollout.task_names]
     for directory in directories:
         try:
-            selection.tasks.append(TerminalTask.load(directory))
+            task = TerminalTask.load(directory)
         except TaskFormatError as error:
             selection.problems.append(
                 f"rollout.tasks: task {directory.name!r} ({directory}) is not a valid Harbor task: "
                 f"{'; '.join(error.problems)} (fix it, or leave it out with rollout.task_names)"
             )
+            continue
+        if task.multi_step:
+            selection.problems.append(
+                f"rollout.tasks: task {task.name!r} is a multi-step task ([[steps]]), which fit does not train on "
+                "(a step's instruction would arrive mid-trajectory); `tslightning tasks validate` runs it. Leave it "
+                "out with rollout.task_names"
+            )
+            continue
+        selection.tasks.append(task)
     if rollout.split != "all" and 0 <= rollout.dev_fraction <= 1:  # out of range: RolloutSettings.problems says so
         selection.tasks = [t for t in selection.tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
     if not selection.tasks and not selection.problems:
@@ -278,7 +287,7 @@ def rollout_datamodule(
 def attempt_factory(rollout: RolloutSettings):
     if rollout.environment == "simulated_tool":
         return SimulatedToolEnvironment(rollout.simulated_tool)
-    return lambda task: TerminalTaskAttempt(task, rollout.reward_scheme)
+    return lambda task: TerminalTaskAttempt(task, rollout.reward_scheme, reward_key=rollout.reward_key)
 
 
 def demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):

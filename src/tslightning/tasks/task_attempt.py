@@ -1,20 +1,34 @@
 """One attempt at a terminal task, as the agent loop sees it (``tslightning.rollout.agent_loop.TaskAttempt``).
 
 The attempt owns a fresh attempt directory seeded from the task's ``environment/`` and its sandbox. The agent's
-commands see only ``/app`` and run under the task's resources with Table 6's 120 s per command; :meth:`verify` then
-runs the task's verifier (which alone sees ``/tests``) and returns the reward, keeping the full verdict in
-:attr:`TerminalTaskAttempt.verification`.
+commands see only ``/app`` and run under the task's resources with Table 6's 120 s per command, in the task's working
+directory and with its ``[environment] env``; :meth:`verify` then runs the task's verifier (which alone sees
+``/tests``) and returns the reward, keeping the full verdict in :attr:`TerminalTaskAttempt.verification`.
 """
 
 from __future__ import annotations
 
+import posixpath
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 
-from tslightning.sandbox import CommandResult
-from tslightning.tasks.rewards import RewardScheme
+from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
+from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import AGENT_COMMAND_TIMEOUT_S, TerminalTask
-from tslightning.tasks.validation import SandboxFactory, sandbox_factory
-from tslightning.tasks.verifier import VerifierResult, run_verifier
+from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+
+SandboxFactory = Callable[[AttemptDirectory], Sandbox]
+"""Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
+
+APP = "/app"
+
+
+def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
+    """A :data:`SandboxFactory` for a ``sandbox.backend`` name."""
+    return lambda attempt: make_sandbox(backend, attempt=attempt)
 
 
 class TerminalTaskAttempt:
@@ -25,6 +39,7 @@ class TerminalTaskAttempt:
         scheme: Reward scheme of the verifier's pass fraction (``seta`` partial or ``binary``).
         make_attempt_sandbox: Makes the attempt's sandbox (default: bubblewrap).
         command_timeout_s: Wall-clock limit of one agent command (Table 6: 120 s).
+        reward_key: The named reward of ``reward.json`` read as the pass fraction (default ``reward``).
     """
 
     def __init__(
@@ -33,25 +48,52 @@ class TerminalTaskAttempt:
         scheme: RewardScheme = "seta",
         make_attempt_sandbox: SandboxFactory | None = None,
         command_timeout_s: float = AGENT_COMMAND_TIMEOUT_S,
+        reward_key: str = DEFAULT_REWARD_KEY,
     ) -> None:
         self.task = task
         self.scheme = scheme
+        self.reward_key = reward_key
         self.attempt = task.open_attempt()
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
         except BaseException:
             self.attempt.close()
             raise
+        self.command_timeout_s = command_timeout_s
         self.command_limits = task.agent_limits(command_timeout_s)
         self.verification: VerifierResult | None = None
 
-    def run_command(self, command: str) -> CommandResult:
-        """Run one agent command in ``/app``; its failures come back in the result, never raised."""
-        return self.sandbox.run(command, limits=self.command_limits, mounts=("app",))
+    @property
+    def workdir(self) -> str:
+        """Where commands start: ``[environment] workdir``, else ``/app``."""
+        return self.task.environment.workdir or APP
 
-    def verify(self) -> float:
-        """Run the task's verifier on the attempt and return the reward (0 with a reason when it fails)."""
-        self.verification = run_verifier(self.task, self.sandbox, self.scheme)
+    def run_command(self, command: str) -> CommandResult:
+        """Run one agent command in the working directory; its failures come back in the result, never raised."""
+        return self.sandbox.run(
+            command, limits=self.command_limits, mounts=("app",), cwd=self.workdir, env=self.task.environment.env
+        )
+
+    def run_solution(self, solution_dir: Path | None = None, timeout_s: float | None = None) -> CommandResult:
+        """Run the reference solution (the task's, or a step's ``solution_dir``) as the oracle agent."""
+        return run_reference_solution(self.task, self.sandbox, solution_dir, timeout_s)
+
+    def upload(self, source: Path, target: str) -> None:
+        """Copy the directory ``source``'s contents into ``target`` inside the environment (files the agent then
+        sees, e.g. a step's ``workdir/``).
+
+        Raises:
+            ValueError: ``target`` is not under ``/app`` (the only place this sandbox can write).
+        """
+        relative = posixpath.relpath(posixpath.normpath(target), APP)
+        if relative.startswith(".."):
+            raise ValueError(f"cannot place files at {target}: this environment shows only {APP}")
+        shutil.copytree(source, self.attempt.app / relative, symlinks=True, dirs_exist_ok=True)
+
+    def verify(self, tests: Path | None = None, settings: VerifierSettings | None = None) -> float:
+        """Run the task's verifier (or ``tests`` with ``settings``, a step's) and return the reward (0 with a
+        reason when it fails)."""
+        self.verification = run_verifier(self.task, self.sandbox, self.scheme, self.reward_key, tests, settings)
         return self.verification.reward
 
     def close(self) -> None:

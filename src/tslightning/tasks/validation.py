@@ -9,18 +9,27 @@ from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them wit
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
-from tslightning.tasks.rewards import RewardScheme, max_reward
+from tslightning.sandbox import CommandResult
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
+from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
+from tslightning.tasks.task_steps import run_steps
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
-from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+from tslightning.tasks.verifier import VerifierResult
 
-SandboxFactory = Callable[[AttemptDirectory], Sandbox]
-"""Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
+__all__ = [
+    "SandboxFactory",
+    "TaskValidation",
+    "format_table",
+    "library_dir",
+    "sandbox_factory",
+    "validate_task",
+    "validate_tasks",
+]
 
 
 @dataclass(frozen=True)
@@ -54,20 +63,20 @@ def library_dir() -> Path:
     return library
 
 
-def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
-    """A :data:`SandboxFactory` for a ``sandbox.backend`` name."""
-    return lambda attempt: make_sandbox(backend, attempt=attempt)
-
-
 def validate_task(
-    task_dir: Path, scheme: RewardScheme = "seta", make_attempt_sandbox: SandboxFactory | None = None
+    task_dir: Path,
+    scheme: RewardScheme = "seta",
+    make_attempt_sandbox: SandboxFactory | None = None,
+    reward_key: str = DEFAULT_REWARD_KEY,
 ) -> TaskValidation:
-    """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt.
+    """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt (a
+    multi-step task: through all its steps, the reference running each step's solution).
 
     Args:
         task_dir: The task directory.
         scheme: Reward scheme the verdicts are reported in.
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
+        reward_key: The named reward of ``reward.json`` read as the pass fraction.
     """
     factory = make_attempt_sandbox or sandbox_factory()
     try:
@@ -76,8 +85,8 @@ def validate_task(
         return TaskValidation(task=Path(task_dir).name, path=Path(task_dir), problems=tuple(error.problems))
     if task.solution_script is None:
         return TaskValidation(task.name, task.root, problems=("no solution/solve.sh to validate against",))
-    noop = _attempt(task, factory, scheme, run_solution=False)
-    reference = _attempt(task, factory, scheme, run_solution=True)
+    noop = _attempt(task, factory, scheme, reward_key, run_solution=False)
+    reference = _attempt(task, factory, scheme, reward_key, run_solution=True)
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
     return TaskValidation(task.name, task.root, noop=noop, reference=reference, problems=tuple(problems))
 
@@ -87,6 +96,7 @@ def validate_tasks(
     scheme: RewardScheme = "seta",
     workers: int = 2,
     make_attempt_sandbox: SandboxFactory | None = None,
+    reward_key: str = DEFAULT_REWARD_KEY,
 ) -> list[TaskValidation]:
     """Validate every task under ``path`` (a task directory or a directory of them; default: the shipped library).
 
@@ -98,7 +108,7 @@ def validate_tasks(
         raise FileNotFoundError(f"no task directories (with a task.toml) under {path}")
     factory = make_attempt_sandbox or sandbox_factory()
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda task_dir: validate_task(task_dir, scheme, factory), task_dirs))
+        return list(pool.map(lambda task_dir: validate_task(task_dir, scheme, factory, reward_key), task_dirs))
 
 
 def format_table(results: Sequence[TaskValidation]) -> str:
@@ -116,18 +126,35 @@ def format_table(results: Sequence[TaskValidation]) -> str:
     return "\n".join(lines)
 
 
-def _attempt(task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, run_solution: bool) -> VerifierResult:
-    with task.open_attempt() as attempt:
-        sandbox = factory(attempt)
+def _attempt(
+    task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, reward_key: str, run_solution: bool
+) -> VerifierResult:
+    with TerminalTaskAttempt(task, scheme, factory, reward_key=reward_key) as attempt:
+        if task.multi_step:
+            return _steps_attempt(attempt, run_solution)
         solution_note = ""
         if run_solution:
-            solved = run_reference_solution(task, sandbox)
+            solved = attempt.run_solution()
             if not solved.ok:
                 solution_note = _solution_failure(solved)
-        result = run_verifier(task, sandbox, scheme)
+        attempt.verify()
+        result = attempt.verification
     if solution_note:  # keep the solution's own failure beside the verifier's verdict
         return replace(result, reason=f"{result.reason}; {solution_note}")
     return result
+
+
+def _steps_attempt(attempt: TerminalTaskAttempt, run_solution: bool) -> VerifierResult:
+    notes: list[str] = []
+
+    def act(step, instruction: str) -> None:
+        if run_solution:
+            solved = attempt.run_solution(attempt.task.step_dir(step.name) / "solution", step.agent.timeout_sec)
+            if not solved.ok:
+                notes.append(f"step {step.name!r}: {_solution_failure(solved)}")
+
+    verdict, _ = run_steps(attempt, act)
+    return replace(verdict, reason="; ".join([verdict.reason, *notes]))
 
 
 def _noop_problems(noop: VerifierResult) -> list[str]:

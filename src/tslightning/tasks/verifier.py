@@ -35,7 +35,8 @@ from pathlib import Path
 
 from tslightning.sandbox import CommandResult, Sandbox
 from tslightning.sandbox.file_tree import remove_tree
-from tslightning.tasks.rewards import RewardReading, RewardScheme, read_reward_files
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardReading, RewardScheme, read_reward_files
+from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import TerminalTask
 
 VERIFIER_COMMAND = "bash /tests/test.sh"
@@ -77,33 +78,59 @@ class VerifierResult:
         return self.output if len(self.output) <= chars else "..." + self.output[-chars:]
 
 
-def run_verifier(task: TerminalTask, sandbox: Sandbox, scheme: RewardScheme = "seta") -> VerifierResult:
+def run_verifier(
+    task: TerminalTask,
+    sandbox: Sandbox,
+    scheme: RewardScheme = "seta",
+    reward_key: str = DEFAULT_REWARD_KEY,
+    tests: Path | None = None,
+    settings: VerifierSettings | None = None,
+) -> VerifierResult:
     """Copy ``task``'s tests into the sandbox's attempt, run ``tests/test.sh`` there and score the reward file (see
-    "Reward integrity" in the module docstring)."""
+    "Reward integrity" in the module docstring).
+
+    Args:
+        task: The task.
+        sandbox: The attempt's sandbox.
+        scheme: Reward scheme of the pass fraction.
+        reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        tests: The tests directory to copy (default: the task's ``tests/``; a step's layered tests).
+        settings: The verifier's timeout and environment (default: the task's ``[verifier]``).
+    """
     attempt = sandbox.attempt
-    _fresh_copy(task.tests_dir, attempt.tests)
+    settings = settings or task.verifier
+    _fresh_copy(tests or task.tests_dir, attempt.tests)
     _fresh_copy(None, attempt.logs)  # only this run's reward files count
     result = sandbox.run(
         VERIFIER_COMMAND,
-        limits=task.verifier_limits(),
+        limits=task.sandbox_limits(settings.timeout_sec),
         mounts=("app", "tests", "logs"),
-        env=task.verifier.env or None,
+        env={**task.environment.env, **settings.env} or None,
         verifier=True,
     )
-    return score_verifier_run(result, read_reward_files(attempt.logs), task.verifier.timeout_sec, scheme)
+    return score_verifier_run(result, read_reward_files(attempt.logs, reward_key), settings.timeout_sec, scheme)
 
 
-def run_reference_solution(task: TerminalTask, sandbox: Sandbox) -> CommandResult:
-    """Run ``solution/solve.sh`` as the oracle agent: ``/app`` and ``/oracle`` visible, the task's agent timeout."""
-    if task.solution_script is None:
+def run_reference_solution(
+    task: TerminalTask, sandbox: Sandbox, solution_dir: Path | None = None, timeout_s: float | None = None
+) -> CommandResult:
+    """Run ``solve.sh`` as the oracle agent: ``/app`` and ``/oracle`` visible, the task's agent timeout.
+
+    Args:
+        task: The task.
+        sandbox: The attempt's sandbox.
+        solution_dir: The solution to run (default: the task's ``solution/``; a step's own).
+        timeout_s: Its wall clock (default: ``[agent] timeout_sec``, else :data:`REFERENCE_TIMEOUT_S`).
+    """
+    if solution_dir is None and task.solution_script is None:
         raise FileNotFoundError(f"task {task.name!r} has no solution/solve.sh")
-    _fresh_copy(task.solution_dir, sandbox.attempt.oracle)
-    timeout = task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S
+    _fresh_copy(solution_dir or task.solution_dir, sandbox.attempt.oracle)
+    timeout = timeout_s or (task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S)
     return sandbox.run(
         ORACLE_COMMAND,
         limits=task.sandbox_limits(timeout),
         mounts=("app", "oracle"),
-        env=task.solution_env or None,
+        env={**task.environment.env, **task.solution_env} or None,
     )
 
 
