@@ -16,10 +16,10 @@ from pathlib import Path
 import lightning as L
 import torch.distributed as dist
 
-from tslightning.commands.plan import learner_shape, model_config
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.precision import serving_dtype
 from tslightning.loop import fit
+from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.settings import (
     CheckpointSettings,
     ModelSettings,
@@ -78,7 +78,7 @@ def main() -> int:
         callbacks=[probe],
         progress=False,
     )
-    config = model_config(model)
+    config = policy_config(model)
     shape = learner_shape(config, "grpo", model, rollout, learner, None)
     planned = plan_learner_memory(config, shape).device_bytes(checkpointing=False) / 2**20
     checks = [

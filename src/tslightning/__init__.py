@@ -16,7 +16,13 @@ from tslightning.core.sources import (
     TrajectorySource,
     TurnSource,
 )
-from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule, UpdateResult
+from tslightning.learner.streaming_module import (
+    OptimizerSettings,
+    Schedule,
+    ServiceRecord,
+    StreamingPolicyModule,
+    UpdateResult,
+)
 from tslightning.objectives.advantages import AdvantageEstimator
 
 __version__ = "0.1.0"
@@ -30,6 +36,7 @@ __all__ = [
     "OptimizerSettings",
     "PolicyVersionError",
     "Schedule",
+    "ServiceRecord",
     "SourceError",
     "StreamingPolicyModule",
     "TrajectoryClosed",

@@ -16,12 +16,12 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
-from tslightning.commands.plan import learner_shape, plan_report
-from tslightning.commands.plan import model_config as policy_config
+from tslightning.commands.plan import plan_report
 from tslightning.commands.task_directories import tasks_migrate, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import RolloutSettings, fit
+from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.run_config import yaml_text
 from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters

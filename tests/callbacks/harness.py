@@ -13,10 +13,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from tslightning.core.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch
 from tslightning.core.sources import BatchClosed
+from tslightning.learner.update_log import write_update_row
 from tslightning.rollout.engine import PublishReceipt
 
 SMALL = WorkloadShape(
@@ -80,11 +81,17 @@ def fit(
     *,
     logger: Logger | bool = False,
     enable_checkpointing: bool | None = False,
+    max_steps: int = -1,
+    ckpt_path: str | None = None,
 ) -> L.Trainer:
-    """Each batch as one update: one epoch of a CPU Trainer over the batches' stream items, one item per step.
-    ``enable_checkpointing=None`` is Lightning's default (it adds a ModelCheckpoint). Returns the Trainer."""
+    """Each batch as one update: a CPU Trainer over the updates, one update (its stream items) per Trainer batch,
+    a row logged every update. The stream starts at the module's policy version, so a run resumed with ``ckpt_path``
+    continues where its checkpoint left off (give ``max_steps``: a checkpoint written at the end of training also
+    ends its epoch). ``enable_checkpointing=None`` is Lightning's default (it adds a
+    ModelCheckpoint). Returns the Trainer."""
     trainer = L.Trainer(
-        max_epochs=1,
+        max_epochs=1 if max_steps == -1 else -1,  # a step budget counts updates, across epochs
+        max_steps=max_steps,
         accelerator="cpu",
         devices=1,
         callbacks=callbacks,
@@ -92,11 +99,27 @@ def fit(
         enable_checkpointing=enable_checkpointing,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=1,
         default_root_dir=tmp_path,
     )
-    items = [item for batch in batches for item in batch.stream()]
-    trainer.fit(module, train_dataloaders=DataLoader(items, batch_size=None))
+    loader = DataLoader(_Updates(module, batches), batch_size=None, collate_fn=_as_is)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     return trainer
+
+
+class _Updates(IterableDataset):
+    """The updates from the module's current policy version on, each as the list of its stream items."""
+
+    def __init__(self, module, batches: list[ReplayBatch]) -> None:
+        self.module, self.batches = module, batches
+
+    def __iter__(self):
+        for batch in self.batches[self.module.policy_version :]:
+            yield list(batch.stream())
+
+
+def _as_is(update: list) -> list:
+    return update
 
 
 def fabric_barrier(fabric: L.Fabric, module, optimizer) -> None:
@@ -126,6 +149,7 @@ def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, logger
         fabric.call(
             "on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=None, batch=batch.items[-1], batch_idx=k
         )
+        write_update_row(fabric)  # a Fabric loop writes the update's one row of metrics
 
 
 def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publication_s: float | None = None) -> None:
@@ -139,3 +163,71 @@ def run_with_fabric_calls(fabric: L.Fabric, module, batch: ReplayBatch, publicat
         if publication_s is not None and isinstance(item, BatchClosed):
             module.update_timings["publication_s"] = publication_s
         fabric.call("on_train_batch_end", trainer=fabric, pl_module=module, outputs=None, batch=item, batch_idx=index)
+    write_update_row(fabric)
+
+
+class PlainModule(L.LightningModule):
+    """A plain LightningModule as another project writes one: automatic optimization, ``self.log``, none of the
+    streaming module's attributes. Least squares of one linear layer; SGD(lr=0.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1, dtype=torch.float64)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.layer(x) - y) ** 2).mean()
+        self.log("train/loss", loss, batch_size=len(x))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def plain_batches(count: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(size, 4, generator=generator, dtype=torch.float64) * 10, torch.randn(size, 1, dtype=torch.float64))
+        for _ in range(count)
+    ]
+
+
+def fit_plain(module: L.LightningModule, batches, callbacks, tmp_path: Path, **trainer_args) -> L.Trainer:
+    """A plain CPU Trainer over ``batches`` (one optimizer step per batch unless accumulating), a row every step."""
+    settings = dict(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+    )
+    trainer = L.Trainer(**(settings | trainer_args))
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
+    return trainer
+
+
+def fabric_plain_loop(module: L.LightningModule, batches, callbacks, loggers=(), before_step: bool = True) -> L.Fabric:
+    """The documented plain Fabric loop: the train and batch hooks by keyword, ``on_before_optimizer_step`` before
+    each ``optimizer.step()`` (unless ``before_step=False``: a loop that forgot it), and the update's row written
+    after ``on_train_batch_end``."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=callbacks, loggers=list(loggers))
+    wrapped, optimizer = fabric.setup(module, module.configure_optimizers())
+    fabric.call("on_train_start", trainer=fabric, pl_module=wrapped)
+    for index, batch in enumerate(batches):
+        fabric.call("on_train_batch_start", trainer=fabric, pl_module=wrapped, batch=batch, batch_idx=index)
+        x, y = batch
+        loss = ((wrapped.layer(x) - y) ** 2).mean()
+        fabric.backward(loss)
+        if before_step:
+            fabric.call("on_before_optimizer_step", trainer=fabric, pl_module=wrapped, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.call("on_train_batch_end", trainer=fabric, pl_module=wrapped, outputs=loss, batch=batch, batch_idx=index)
+        write_update_row(fabric)
+    fabric.call("on_train_end", trainer=fabric, pl_module=wrapped)
+    return fabric

@@ -13,7 +13,15 @@ from harness import HOSTS, FakeEngine, fit, grpo_batches
 from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import GPUClockCheckpoint, WeightPublisher
-from tslightning.callbacks.checkpoint_state import checkpoint_dirs, policy_hash, read_meta, restore_checkpoint
+from tslightning.callbacks.checkpoint_state import (
+    CheckpointError,
+    checkpoint_dirs,
+    checkpoint_files,
+    policy_hash,
+    read_meta,
+    restore_checkpoint,
+)
+from tslightning.callbacks.gpu_clock_checkpoint import TRAINER_META_KEY
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
@@ -49,7 +57,9 @@ class FakeClock:
 
 class Timeline(L.Callback):
     """Sets the clock as each stream item starts: ``times[i]`` for the i-th item of the run (carried forward); and
-    records, at each item's start, what the previous item's end left: whether a checkpoint is due and which exist."""
+    records, at each item's start, what the previous item's end left: whether a checkpoint is due and which exist.
+    In a loop feeding one item per batch it acts at ``on_train_batch_start``; under a Trainer (one update per batch)
+    the module calls :meth:`before_item` as it ingests each item (:class:`ClockedModule`)."""
 
     def __init__(self, clock: FakeClock, times: dict[int, float], checkpointer: GPUClockCheckpoint) -> None:
         self.clock, self.times, self.checkpointer = clock, times, checkpointer
@@ -57,10 +67,26 @@ class Timeline(L.Callback):
         self.seen: list[tuple[int, bool, list[str]]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not isinstance(batch, list):
+            self.before_item()
+
+    def before_item(self) -> None:
         names = [p.name for p in checkpoint_dirs(self.checkpointer.dirpath)]
+        names += [path.rsplit("/", 1)[-1].removesuffix(".ckpt") for path in checkpoint_files(self.checkpointer.dirpath)]
         self.seen.append((self.item, self.checkpointer.due, names))
         self.clock.now = self.times.get(self.item, self.clock.now)
         self.item += 1
+
+
+class ClockedModule(StreamingPolicyModule):
+    """Moves the Timeline as each stream item arrives inside a Trainer batch."""
+
+    timeline: Timeline | None = None
+
+    def ingest(self, item) -> None:
+        if self.timeline is not None:
+            self.timeline.before_item()
+        super().ingest(item)
 
 
 def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_path):
@@ -82,8 +108,8 @@ def run_updates(host: str, module, batches: list[ReplayBatch], callbacks, tmp_pa
     return optimizer
 
 
-def new_module(make_policy) -> StreamingPolicyModule:
-    return StreamingPolicyModule(make_policy(), optimizer=OptimizerSettings(lr=1e-3))
+def new_module(make_policy, module_class=StreamingPolicyModule) -> StreamingPolicyModule:
+    return module_class(make_policy(), optimizer=OptimizerSettings(lr=1e-3))
 
 
 @pytest.mark.parametrize("host", HOSTS)
@@ -97,18 +123,29 @@ def test_due_after_interval_over_devices_written_at_the_next_batch_closed(make_p
     # Update 0 ends at 1799 s of wall clock (3598 GPU-s: not due); update 1's first source arrives at 1800 s.
     timeline = Timeline(clock, {first_update_items - 1: 1799.0, first_update_items + 1: 1800.0}, checkpointer)
     publisher = WeightPublisher(FakeEngine())
-    module = new_module(make_policy)
+    module = new_module(make_policy, ClockedModule)
+    module.timeline = timeline if host == "trainer" else None
     optimizer = run_updates(host, module, batches, [timeline, publisher, checkpointer], tmp_path)
 
     due = [(item, names) for item, is_due, names in timeline.seen if is_due]
     assert due[0] == (first_update_items + 2, [])  # requested mid-update 1, nothing written before its BatchClosed
     assert all(names == [] for _, names in due)  # ... through the last item of update 1
-    assert [p.name for p in checkpoint_dirs(checkpointer.dirpath)] == ["update-1"]  # save_last: update 1 has one
     assert not checkpointer.due and checkpointer.checkpoints_written == 1
-
-    meta = read_meta(checkpointer.dirpath / "update-1")
-    assert set(meta) == META_FIELDS
     sources = [item for batch in batches for item in batch.items if isinstance(item, TrajectorySource)]
+    if host == "trainer":  # Lightning's own file, through trainer.save_checkpoint; the meta record rides inside
+        (written,) = checkpoint_files(checkpointer.dirpath)  # save_last: update 1 has one
+        assert written.endswith("/update-1.ckpt") and checkpointer.last_checkpoint_path == written
+        checkpoint = torch.load(written, weights_only=False)
+        meta = checkpoint[TRAINER_META_KEY]
+        assert checkpoint["global_step"] == 2 and checkpoint["streaming_policy_module"]["policy_version"] == 2
+        assert checkpoint["callbacks"][publisher.state_key] == {"published_version": 2, "publications": 2}
+        saved = checkpoint["state_dict"]
+        assert all(torch.equal(saved[n], p) for n, p in module.state_dict().items())
+        assert list(tmp_path.rglob("epoch=0-step=2.ckpt")), "the default ModelCheckpoint still writes"
+    else:
+        assert [p.name for p in checkpoint_dirs(checkpointer.dirpath)] == ["update-1"]  # save_last: update 1 has one
+        meta = read_meta(checkpointer.dirpath / "update-1")
+    assert set(meta) == META_FIELDS
     assert meta["update"] == 1 and meta["next_update"] == 2 and meta["policy_version"] == 2
     assert meta["seed"] == 7 and meta["config"] == {"seed": 7, "updates": 2}
     assert meta["gpu_clock_s"] == 3600.0 and meta["devices"] == 2
@@ -117,6 +154,8 @@ def test_due_after_interval_over_devices_written_at_the_next_batch_closed(make_p
     assert meta["policy_hash"] == policy_hash(module.policy)
     assert meta["publication_s"] == module.update_timings["publication_s"]
     assert meta["written_at"] >= meta["published_at"] > 1.7e9  # Unix seconds
+    if host == "trainer":
+        return
 
     restored = new_module(make_policy)
     restored_optimizer = restored.configure_optimizers()
@@ -157,7 +196,7 @@ def test_a_failed_write_leaves_no_directory_and_stays_due(make_policy, vocab_siz
     real_save, calls = torch.save, []
 
     def save_then_fail(obj, file, *args, **kwargs):
-        calls.append(file.name)
+        calls.append(getattr(file, "name", "a buffer"))  # the state goes through CheckpointIO via a buffer
         assert any(p.name == ".tmp-update-0" for p in (tmp_path / "ckpt").iterdir())
         if len(calls) == 2:  # the RNG file is written; the model state fails half-way through the directory
             raise OSError("No space left on device")
@@ -258,3 +297,64 @@ def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_pat
     trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))
     with pytest.raises(ValueError, match="CPUDeepSpeedStrategy partitions them across ranks"):
         callback.on_train_start(trainer, None)
+
+
+def test_trainer_resumes_from_an_update_checkpoint_with_ckpt_path(make_policy, vocab_size, tmp_path):
+    """trainer.fit(ckpt_path=<update-k>.ckpt) restores θ, AdamW, the policy version, global step and the callbacks'
+    states (the GPU-clock continues); the resumed run's next update equals the uninterrupted run's."""
+    batches = grpo_batches(vocab_size, 3)
+    straight = new_module(make_policy)
+    fit(
+        straight,
+        batches,
+        [WeightPublisher(FakeEngine()), GPUClockCheckpoint(tmp_path / "a", clock=FakeClock())],
+        tmp_path,
+    )
+
+    clock = FakeClock()
+    first = GPUClockCheckpoint(tmp_path / "b", interval_s=10.0, clock=clock, keep_last=1)
+    first.request()
+    fit(new_module(make_policy), batches, [WeightPublisher(FakeEngine()), first], tmp_path, max_steps=2)
+    (written,) = checkpoint_files(tmp_path / "b")  # update-0 (requested) was pruned after update-1 (save_last)
+    assert written.endswith("update-1.ckpt") and first.checkpoints_written == 2
+
+    clock.now = 5.0
+    engine, resumed_checkpointer, module = (
+        FakeEngine(),
+        GPUClockCheckpoint(tmp_path / "b", clock=clock),
+        new_module(make_policy),
+    )
+    callbacks = [WeightPublisher(engine), resumed_checkpointer]
+    trainer = fit(module, batches, callbacks, tmp_path, max_steps=3, ckpt_path=written)
+    assert trainer.global_step == 3 and module.policy_version == 3 and module.num_optimizer_steps == 3
+    assert [version for version, _ in engine.published] == [2, 3]  # restored θ_2 first, then update 2's θ_3
+    assert resumed_checkpointer.checkpoints_written == 3 and resumed_checkpointer.trajectories_seen == 3 * 6
+    assert torch.equal(module.layout.values(), straight.layout.values())
+
+
+def test_trainer_writes_through_checkpoint_io_to_an_fsspec_path(make_policy, vocab_size, tmp_path):
+    checkpointer = GPUClockCheckpoint("memory://gpu-clock/run", clock=FakeClock(), keep_last=2)
+    checkpointer.request()
+    fit(new_module(make_policy), grpo_batches(vocab_size, 3), [checkpointer], tmp_path)
+    written = checkpoint_files("memory://gpu-clock/run")  # fsspec's in-memory filesystem
+    assert written == ["memory://gpu-clock/run/update-0.ckpt", "memory://gpu-clock/run/update-2.ckpt"]  # request, last
+    with pytest.raises(ValueError, match="is a URL; a Fabric loop writes a local path"):
+        run_updates("fabric", new_module(make_policy), grpo_batches(vocab_size, 1), [checkpointer], tmp_path)
+
+
+def test_a_corrupt_state_file_names_the_file(make_policy, vocab_size, tmp_path):
+    run_updates(
+        "fabric", new_module(make_policy), grpo_batches(vocab_size, 1), [GPUClockCheckpoint(tmp_path)], tmp_path
+    )
+    state = tmp_path / "update-0" / "state.pt"
+    data = state.read_bytes()
+    for damaged in (data[: len(data) // 2], b"", b"not a checkpoint"):
+        state.write_bytes(damaged)
+        with pytest.raises(
+            CheckpointError, match=rf"resume: cannot read {state} \(.*\); the file is truncated or corrupt"
+        ) as info:
+            restore_checkpoint(tmp_path / "update-0", new_module(make_policy), [torch.optim.SGD([torch.zeros(1)], 0.1)])
+        assert "\n" not in str(info.value)
+    torch.save({"state_dict": {}}, state)
+    with pytest.raises(CheckpointError, match=rf"{state} lacks optimizer_states, callbacks, policy_version"):
+        restore_checkpoint(tmp_path / "update-0", new_module(make_policy), [])

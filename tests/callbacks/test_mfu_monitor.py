@@ -15,6 +15,7 @@ from tslightning.callbacks import MFUMonitor
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.learner.streaming_module import StreamingPolicyModule
+from tslightning.learner.update_log import write_update_row
 from tslightning.measure.learner_flops import DecoderShape, learner_flops
 
 PEAK = 1e12  # FLOP/s per device (a CPU has no entry in Lightning's table); above what the tiny updates reach
@@ -54,6 +55,7 @@ def test_exact_mfu_and_breakdown_of_a_synthetic_update(make_policy, vocab_size, 
     if rollout_wait_s is not None:
         module.update_timings["rollout_wait_s"] = rollout_wait_s
     _at(monkeypatch, 112.5, monitor.on_train_batch_end, fabric, module, None, BatchClosed(0), len(batch.items))
+    write_update_row(fabric)  # what the Fabric loop does after the update's on_train_batch_end
 
     (measurement,) = monitor.history
     flops, tokens = expected_flops(module, batch), batch_tokens(batch)

@@ -108,3 +108,24 @@ def test_trace_under_a_trainer_appends_each_update(make_policy, vocab_size, tmp_
         assert update["record"] == "update" and update["publication_s"] == 0.0
         assert sources[-1]["service_end"] <= update["rollout_close"] <= update["update_end"]
     assert [r["update"] for r in records if r["record"] == "update"] == [0, 1]
+
+
+def test_a_fresh_run_starts_a_fresh_trace_and_a_resumed_one_continues_its_checkpoint(make_policy, vocab_size, tmp_path):
+    batches = grpo_batches(vocab_size, 3)
+    old = tmp_path / "trace-rank0.jsonl"
+    old.write_text('{"record": "update", "update": 7, "rank": 0}\n')  # an earlier run's trace in the same place
+    recorder = ReleaseTraceRecorder(tmp_path)
+    fit(StreamingPolicyModule(make_policy()), batches, [recorder], tmp_path)
+    assert [r["update"] for r in read_trace(old) if r["record"] == "update"] == [0, 1, 2]
+    assert recorder.state_dict() == {"next_update": 3}
+
+    resumed = ReleaseTraceRecorder(tmp_path)
+    resumed.load_state_dict({"next_update": 1})  # a checkpoint after update 0; updates 1 and 2 are redone
+    module = StreamingPolicyModule(make_policy())
+    module.policy_version = 1
+    fit(module, batches, [resumed], tmp_path)
+    updates = [r["update"] for r in read_trace(old) if r["record"] == "update"]
+    assert (
+        updates == [0, 1, 2]
+        and sum(r["update"] == 1 for r in read_trace(old)) == 1 + SMALL.num_groups * SMALL.group_size
+    )

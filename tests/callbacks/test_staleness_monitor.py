@@ -12,6 +12,7 @@ from tslightning.callbacks import StalenessMonitor
 from tslightning.callbacks.staleness_monitor import policy_lags
 from tslightning.core.sources import BatchClosed, PolicyVersionError
 from tslightning.learner.streaming_module import StreamingPolicyModule
+from tslightning.learner.update_log import write_update_row
 
 SOURCES = SMALL.num_groups * SMALL.group_size
 
@@ -20,11 +21,17 @@ def lag_metrics(maximum: float, mean: float) -> dict[str, float]:
     return {"staleness/max_policy_lag": maximum, "staleness/mean_policy_lag": mean}
 
 
+def lag_rows(logger: MemoryLogger) -> list[tuple[int | None, dict[str, float]]]:
+    """The logged rows holding lags, reduced to the lag metrics (a row holds every metric of its update)."""
+    return [(step, {k: row[k] for k in lag_metrics(0, 0)}) for step, row in logger.having("staleness/max_policy_lag")]
+
+
 def test_trainer_reports_zero_lag(make_policy, vocab_size, tmp_path):
     monitor, logger, module = StalenessMonitor(), MemoryLogger(), StreamingPolicyModule(make_policy())
     fit(module, grpo_batches(vocab_size, 2), [monitor], tmp_path, logger=logger)
     assert module.policy_version == 2
-    assert logger.having("staleness/max_policy_lag") == [(0, lag_metrics(0.0, 0.0)), (1, lag_metrics(0.0, 0.0))]
+    assert lag_rows(logger) == [(0, lag_metrics(0.0, 0.0)), (1, lag_metrics(0.0, 0.0))]
+    assert [step for step, _ in logger.logged] == [0, 1]  # one row per update, through the logger connector
     assert monitor.histogram == {0: 2 * SOURCES} and monitor.updates == 2
 
 
@@ -54,8 +61,10 @@ def test_fabric_reports_lag_and_refuses_an_older_source(make_policy, vocab_size)
     with pytest.raises(PolicyVersionError, match=r"update 1 used 1 source\(s\) outside policy lag \[0, 0\]: .*lag 1"):
         end_update(strict, 1)
     end_update(lenient, 1)
+    write_update_row(fabric)  # the loop writes the update's one row
     assert strict.histogram == lenient.histogram == {0: 2 * SOURCES, 1: 1}
-    assert logger.having("staleness/max_policy_lag")[-1] == (1, lag_metrics(1.0, 1 / (SOURCES + 1)))
+    assert lag_rows(logger)[-1] == (1, lag_metrics(1.0, 1 / (SOURCES + 1)))
+    assert [step for step, _ in logger.logged] == [0, 1]
 
     module.service_log[-1] = replace(module.service_log[-1], policy_version=2)  # sampled by a policy not yet made
     with pytest.raises(PolicyVersionError, match=r"from θ_2, lag -1"):

@@ -556,3 +556,17 @@ def test_registry_matches_reference_model(objective, data):
     else:
         with pytest.raises(SourceError):
             reg.require_complete()
+
+
+def test_objective_given_as_a_string_is_stored_as_the_objective():
+    plan = BatchPlan("opd", 0, {"a": 2})
+    assert plan.objective is Objective.OPD
+    BatchRegistry(plan).check(
+        TurnSource("a", 0, 0, torch.tensor([1, 2]), torch.tensor([False, True]), torch.tensor([-1.0]), 0)
+    )
+
+
+@pytest.mark.parametrize("objective", ["ppo", 3, None])
+def test_unknown_objective_names_the_choices(objective):
+    with pytest.raises(SourceError, match=r"BatchPlan.objective must be one of \['grpo', 'opd'\].*got"):
+        BatchPlan(objective, 0, {"a": 2})

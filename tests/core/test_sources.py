@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -202,8 +203,22 @@ def test_bad_reward(reward):
     raises_naming("reward", trajectory, reward=reward)
 
 
-def test_tensor_reward_rejected():
-    raises_naming("reward", trajectory, reward=torch.tensor(1.0))
+@pytest.mark.parametrize("reward", [torch.tensor([1.0, 2.0]), torch.tensor(True), torch.tensor(float("nan"))])
+def test_tensor_reward_rejected(reward):
+    """Issue 17 turned a 0-d tensor reward from refused to accepted; a tensor that is no one finite number is not."""
+    raises_naming("reward", trajectory, reward=reward)
+
+
+@pytest.mark.parametrize(
+    "reward", [np.float32(0.25), np.float64(0.25), np.int64(1), torch.tensor(0.25), torch.tensor([0.25]), 1]
+)
+def test_numpy_scalar_and_one_element_tensor_rewards_become_python_floats(reward):
+    source = trajectory(reward=reward)
+    assert type(source.reward) is float and source.reward == float(reward)
+
+
+def test_numpy_bool_reward_rejected():
+    raises_naming("reward", trajectory, reward=np.True_)
 
 
 def test_huge_int_reward_raises_source_error():

@@ -599,3 +599,63 @@ def test_configure_optimizers_is_table5_adamw(make_policy):
     custom = StreamingPolicyModule(make_policy(), optimizer=OptimizerSettings(lr=1e-5, betas=(0.8, 0.9), eps=1e-7))
     (group,) = custom.configure_optimizers().param_groups
     assert (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"]) == (1e-5, (0.8, 0.9), 1e-7, 0.0)
+
+
+# --------------------------------------------------------------------------- 8. the public learner API (issue 17)
+def test_float32_direction_norm_is_accumulated_in_float64(make_policy, vocab_size):
+    """361,600 float32 entries: a float32 sum is ~1.5e-5 off, which moved actor/grad_norm and the coefficient the
+    FSDP2/ZeRO barrier clips with (clip_coefficient(norm)) past the 1e-5 target."""
+    module = StreamingPolicyModule(make_policy(torch.float32), max_grad_norm=1e-3)
+    assert module.layout.numel == 361_600
+    ingest_all(module, grpo_batch(vocab_size).stream())
+    result = module.barrier(module.configure_optimizers())
+    exact = float(torch.linalg.vector_norm(module.last_direction.double()))
+    assert module.last_direction.dtype == torch.float32
+    assert abs(result.direction_norm / exact - 1) <= 1e-12
+    assert result.clip_coefficient == pytest.approx(1e-3 / (exact + TORCH_CLIP_EPS), rel=1e-6)
+
+
+def test_lora_on_embed_tokens_streams_the_exact_direction(make_policy, vocab_size):
+    """peft's LoRA Embedding layer keeps the nn.Embedding as base_layer (it has no num_embeddings of its own)."""
+    from peft import LoraConfig, get_peft_model
+    from reference import grpo_direction
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False)
+
+    def lora_policy():
+        torch.manual_seed(0)  # the same random adapter every time
+        return get_peft_model(make_policy(), config)
+
+    batch = grpo_batch(vocab_size)
+    directions = {}
+    for schedule in SCHEDULES:
+        module = StreamingPolicyModule(lora_policy(), schedule=schedule)
+        assert any("embed_tokens.lora_embedding" in name for name, _ in module.policy.named_parameters())
+        ingest_all(module, batch.stream())
+        module.barrier(module.configure_optimizers())
+        directions[schedule] = module.last_direction
+    reference = grpo_direction(lora_policy(), batch)
+    for direction in directions.values():
+        assert rel_err(direction, reference) <= FLOAT64_TOLERANCE
+    too_large = replace(batch.items[0], token_ids=batch.items[0].token_ids.clone().fill_(vocab_size))
+    module = StreamingPolicyModule(lora_policy())
+    module.ingest(batch.plan)
+    with pytest.raises(SourceError, match=f"vocabulary has {vocab_size} entries"):
+        module.ingest(too_large)
+
+
+def test_named_direction_is_the_ascent_direction_the_optimizer_descends(make_policy, vocab_size):
+    """Documented sign convention: .grad = −c·g_k, so SGD(lr=1) moves θ by +c·g_k, parameter by parameter."""
+    module = StreamingPolicyModule(make_policy(), max_grad_norm=0.5)
+    with pytest.raises(RuntimeError, match="no update has run yet"):
+        module.named_direction()
+    before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
+    ingest_all(module, grpo_batch(vocab_size).stream())
+    result = module.barrier(torch.optim.SGD(module.layout.parameters, lr=1.0))
+    assert result.clip_coefficient < 1
+    direction = module.named_direction()
+    assert list(direction) == [name for name, _ in module.policy.named_parameters()]
+    for name, p in module.policy.named_parameters():
+        torch.testing.assert_close(
+            p.detach() - before[name], result.clip_coefficient * direction[name], rtol=0, atol=1e-12
+        )

@@ -99,6 +99,7 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
 
     from tslightning.loop.fit import RolloutSettings, WarmStartSettings, fit
     from tslightning.models.tiny_model import load_tiny_model
+    from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
     thetas = {}
     for name, schedule, context in (
@@ -115,20 +116,22 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
             out_dir=str(out),
             progress=False,
             available_flops=1e11,
+            # The simulated tool's observations and rewards are a pure function of (seed, task, attempt, call): a
+            # terminal command's output can depend on timing (one cut by its time or output limit ends differently
+            # under different CPU load), which would change the rollouts, not the learner, between the schedules.
             rollout=RolloutSettings(
-                task_names=["count-lines", "dedupe-lines"],
+                environment="simulated_tool",
+                simulated_tool=SimulatedToolSettings(num_tasks=4, median_latency_s=0.01, max_latency_s=0.05),
                 prompts_per_update=2,
                 samples_per_prompt=3,
-                max_turns=2,
+                max_turns=3,
                 max_tokens_per_turn=64,
                 # Every request decoded alone and prefilled afresh: the sampled tokens then cannot depend on which
                 # requests happened to share a batch or a cached prefix (float rounding differs between those).
                 max_batch_size=1,
                 prefix_cache_tokens=0,
             ),
-            # A policy that issues its tasks' reference or near-miss commands (unequal rewards in a group), not
-            # arbitrary ones: a command that runs into its time limit ends differently under different CPU load.
-            warm_start=WarmStartSettings(steps=500),
+            warm_start=WarmStartSettings(steps=150),  # a policy still exploring: groups with unequal rewards
             model=_float64(),
             optimizer=_adamw(1e-3),
         )

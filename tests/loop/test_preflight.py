@@ -183,3 +183,32 @@ def test_trainer_callbacks_are_refused_and_fabric_callbacks_kept():
     assert "OwnCheckpoint is a Trainer callback (ModelCheckpoint" in problems[3]
     assert "GradientClipping would run twice" in problems[4] and "max_grad_norm" in problems[4]
     assert callback_problems([OwnMonitor(), StalenessMonitor(max_policy_lag=2), LambdaCallback()]) == []
+
+
+def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.preflight import process_group_problems
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert process_group_problems(LearnerSettings(devices=2)) == [
+        "learner.devices x learner.num_nodes = 2, but the launcher started 3 ranks (WORLD_SIZE): set them to what "
+        "torchrun --nproc-per-node x --nnodes (or srun) starts"
+    ]
+    assert process_group_problems(LearnerSettings(devices=3)) == []
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", "configs/quickstart.yaml", "--learner.devices", "2", "--out_dir", str(out)])
+    assert "launcher started 3 ranks" in capsys.readouterr().err and not out.exists()
+
+
+def test_device_statistics_that_cannot_fit_the_gpu_name_the_settings_to_change():
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.preflight import statistics_problems
+    from tslightning.loop.settings import ModelSettings, RolloutSettings
+
+    learner = LearnerSettings(statistics_device="device")
+    rollout = RolloutSettings(prompts_per_update=4)
+    (problem,) = statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=10 * 2**20)
+    assert problem.startswith("learner.statistics_device: device holds 4 open group(s)' G1/G2") and "host" in problem
+    assert statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=2**30) == []
+    assert statistics_problems("grpo", ModelSettings(), rollout, LearnerSettings(), 4, device_bytes=1) == []  # host

@@ -10,14 +10,17 @@ import pytest
 import torch
 import yaml
 
+from tslightning import cli
 from tslightning.callbacks import read_trace
 from tslightning.callbacks.checkpoint_state import read_meta
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
 from tslightning.learner.streaming_module import OptimizerSettings
 from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
+from tslightning.loop.settings import InvalidSettingsError
 
 fit_module = importlib.import_module("tslightning.loop.fit")  # the module; the package's `fit` is the function
+
 KILLED_AT = 2
 EVERY_UPDATE = CheckpointSettings(interval_s=1e-9)  # any positive GPU-clock is past the interval
 
@@ -45,7 +48,7 @@ def run(out: Path, **overrides):
 
 
 def killed_during(update: int, original):
-    """``_one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
+    """``one_update`` that, at ``update``, ingests the plan and two ready sources and then dies."""
 
     def one_update(fabric, module, optimizer, stream, index: int) -> None:
         if index != update:
@@ -114,3 +117,27 @@ def test_schedules_that_sample_ahead_refuse_to_resume_before_any_work(tmp_path, 
 def test_resume_from_a_directory_that_is_no_checkpoint_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no state.pt; give an update-<k> checkpoint directory"):
         fit(out_dir=str(tmp_path / "run"), resume=str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "meta"])
+def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, damage, capsys):
+    checkpoint = tmp_path / "checkpoints" / "update-1"
+    checkpoint.mkdir(parents=True)
+    torch.save({"state_dict": {"w": torch.ones(1000)}}, checkpoint / "state.pt")
+    (checkpoint / "meta.json").write_text('{"policy_hash": "sha256:0"}')
+    state = (checkpoint / "state.pt").read_bytes()
+    if damage == "truncated":
+        (checkpoint / "state.pt").write_bytes(state[: len(state) // 2])
+    elif damage == "garbage":
+        (checkpoint / "state.pt").write_bytes(b"\x80\x04not a checkpoint at all")
+    else:
+        (checkpoint / "meta.json").write_text('{"policy_hash": ')
+    broken = checkpoint / ("meta.json" if damage == "meta" else "state.pt")
+    with pytest.raises(InvalidSettingsError, match=f"resume: (cannot read )?{broken}") as info:
+        fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), progress=False)
+    assert "\n" not in str(info.value) and "update-<k>" in str(info.value)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--out_dir", str(tmp_path / "run"), "--resume", str(checkpoint)])
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, naming the file; no traceback
+    assert exit_info.value.code == 2 and str(broken) in line and "Traceback" not in line

@@ -154,7 +154,7 @@ def test_bad_configuration_is_reported_at_once(tokenizer):
 
 def test_train_dataloader_yields_consecutive_updates(tokenizer):
     dm = datamodule(tokenizer, updates=2)
-    items = list(dm.train_dataloader())
+    items = [item for update in dm.train_dataloader() for item in update]  # one lazy update per batch
     plans = [i for i in items if isinstance(i, BatchPlan)]
     assert len(plans) == 2 and sum(isinstance(i, BatchClosed) for i in items) == 2
     assert Objective(plans[0].objective) is Objective.GRPO
@@ -271,3 +271,14 @@ def test_tool_threads_run_the_loop_and_its_tool_calls_on_the_given_cores():
     assert seen["placed"] == ({core}, {core})
     with pytest.raises(ValueError, match="cpus None or non-empty"):
         run_with_tool_threads(where(), 2, [])
+
+
+def test_train_dataloader_prefetches_no_rollout(tokenizer):
+    """Each batch is an update's generator: fetching (as a Trainer prefetches) starts no rollout and stamps no plan."""
+    dm = datamodule(tokenizer, updates=2)
+    batches = iter(dm.train_dataloader())
+    first, second = next(batches), next(batches)
+    assert dm.update_starts == {} and dm.ready_log == []
+    assert isinstance(next(first), BatchPlan) and sum(1 for _ in first) > 0
+    assert dm.update_starts.keys() == {0}  # update 1 rolls out only once the learner starts it
+    assert isinstance(next(second), BatchPlan)

@@ -1,6 +1,8 @@
 """What one checkpoint holds, how it reaches disk atomically, and how a run resumes from it (SPEC §4).
 
-A checkpoint is a directory ``update-<k>`` written after update k's optimizer step and publication::
+Under a ``Trainer`` a GPU-clock checkpoint is Lightning's own ``update-<k>.ckpt`` (``trainer.save_checkpoint``;
+resume with ``trainer.fit(ckpt_path=...)``). In a Fabric loop it is a directory ``update-<k>`` written after update
+k's optimizer step and publication::
 
     update-<k>/
         state.pt        # module state_dict, optimizer_states, callbacks, policy_version, num_optimizer_steps,
@@ -10,10 +12,12 @@ A checkpoint is a directory ``update-<k>`` written after update k's optimizer st
                         # seen, GPU-clock seconds, the resolved run config
 
 It is assembled in ``.tmp-update-<k>`` beside it and renamed into place with ``os.replace``, so a directory named
-``update-<k>`` is always complete. The files are plain ``torch.save`` dicts (keys named like Lightning's checkpoints):
-the learner is replicated — every rank holds the full θ and AdamW state, which publication relies on too — so rank 0's
-copy is the whole state, and ``torch.load`` reads it without Lightning, a Trainer or the Fabric that wrote it. A
-sharded strategy (FSDP, DeepSpeed) would need ``fabric.save`` / the strategy's own checkpoint IO instead.
+``update-<k>`` is always complete. ``state.pt`` goes through the Fabric strategy's ``save_checkpoint`` and
+``CheckpointIO`` (what ``fabric.save`` does) and comes back through ``fabric.load``; the learner is replicated — every
+rank holds the full θ and AdamW state, which publication relies on too — so rank 0's copy is the whole state, and
+``torch.load`` reads it without Lightning too. (Partitioned strategies, FSDP and DeepSpeed, are refused: their
+optimizer state would need the strategy's sharded layout.) A file that cannot be read, or lacks a field, raises
+:class:`CheckpointError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -30,16 +34,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 _CHECKPOINT_DIR = re.compile(r"update-(\d+)")
+_CHECKPOINT_FILE = re.compile(r"update-(\d+)\.ckpt")
+_STATE_FIELDS = ("state_dict", "optimizer_states", "callbacks", "policy_version", "num_optimizer_steps", "next_update")
+_META_FIELDS = ("policy_hash",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong, on one line."""
 
 
 def checkpoint_name(update: int) -> str:
-    """The directory name of the checkpoint written after update ``update``."""
+    """The directory name of the (Fabric loop's) checkpoint written after update ``update``."""
     return f"update-{update}"
+
+
+def checkpoint_file_name(update: int) -> str:
+    """The file name of the Trainer checkpoint written after update ``update``."""
+    return f"update-{update}.ckpt"
+
+
+def checkpoint_files(dirpath: str | os.PathLike[str]) -> list[str]:
+    """The Trainer checkpoints ``update-<k>.ckpt`` in ``dirpath`` (any fsspec path), oldest update first."""
+    fs = get_filesystem(str(dirpath))
+    if not fs.isdir(str(dirpath)):
+        return []
+    found = []
+    for path in fs.ls(str(dirpath), detail=False):
+        match = _CHECKPOINT_FILE.fullmatch(str(path).rstrip("/").rsplit("/", 1)[-1])
+        if match:
+            found.append((int(match.group(1)), f"{str(dirpath).rstrip('/')}/{match.group(0)}"))
+    return [path for _, path in sorted(found)]
 
 
 def rng_file(rank: int) -> str:
@@ -159,21 +189,59 @@ def restore_checkpoint(
     optimizers: Iterable[torch.optim.Optimizer],
     callbacks: Iterable[Any] = (),
     rank: int = 0,
+    fabric: Any = None,
 ) -> ResumePoint:
     """Load a checkpoint directory into a freshly built module, its optimizer(s) and callbacks, and restore RNG.
 
     Args:
         path: An ``update-<k>`` directory written by :class:`~tslightning.callbacks.GPUClockCheckpoint`.
         module: The :class:`~tslightning.learner.streaming_module.StreamingPolicyModule` (plain or Fabric-wrapped),
-        built
-            exactly as in the run that wrote the checkpoint (same model, same LoRA settings).
+            built exactly as in the run that wrote the checkpoint (same model, same LoRA settings).
         optimizers: Its optimizers, in ``configure_optimizers`` order.
         callbacks: Callbacks whose ``state_key`` appears in the checkpoint get their ``load_state_dict`` called.
         rank: Global rank of this process: it restores ``rng-rank<rank>.pt`` (rank 0's file when there is none).
+        fabric: Read ``state.pt`` through ``fabric.load`` (its strategy's CheckpointIO); ``None``: ``torch.load``.
 
     Raises:
         FileNotFoundError: If ``path`` is not a complete checkpoint directory.
+        CheckpointError: If a file of it cannot be read or lacks a field, or the optimizers do not match.
         RuntimeError: If the restored trainable weights do not hash to the checkpoint's ``policy_hash``.
+    """
+    path = Path(path)
+    state, meta = read_checkpoint(path, fabric)
+    module.load_state_dict(state["state_dict"], strict=True)
+    optimizers = list(optimizers)
+    if len(optimizers) != len(state["optimizer_states"]):
+        raise CheckpointError(
+            f"resume: {path / STATE_FILE} holds {len(state['optimizer_states'])} optimizer state(s) but the module "
+            f"configured {len(optimizers)}"
+        )
+    for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    module.policy_version = state["policy_version"]
+    module.num_optimizer_steps = state["num_optimizer_steps"]
+    for callback in callbacks:  # (Fabric's callback list also holds the set-up LightningModule: no state_key)
+        key = getattr(callback, "state_key", None)
+        if isinstance(key, str) and key in state["callbacks"]:
+            callback.load_state_dict(state["callbacks"][key])
+    rng = path / rng_file(rank)
+    rng = rng if rng.is_file() else path / rng_file(0)
+    set_rng_states(_load(rng, lambda file: torch.load(file, weights_only=True)))
+    restored = policy_hash(getattr(module, "policy", module))
+    if restored != meta["policy_hash"]:
+        raise RuntimeError(
+            f"resume: the restored weights hash to {restored} but {path / META_FILE} records {meta['policy_hash']}; "
+            "build the policy as the checkpointed run did (model.path, model.lora)"
+        )
+    return ResumePoint(state["next_update"], state["policy_version"], meta)
+
+
+def read_checkpoint(path: str | os.PathLike[str], fabric: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``state.pt`` and ``meta.json`` of checkpoint directory ``path``, checked for the fields a resume reads.
+
+    Raises:
+        FileNotFoundError: If ``path`` is not a complete checkpoint directory (the complete ones beside it named).
+        CheckpointError: If either file cannot be read (truncated, corrupt, not a checkpoint) or lacks a field.
     """
     path = Path(path)
     if not (path / STATE_FILE).is_file() or not (path / META_FILE).is_file():
@@ -182,31 +250,31 @@ def restore_checkpoint(
             f"resume: {path} is not a checkpoint directory (it needs {STATE_FILE} and {META_FILE}); complete "
             f"checkpoints in {path.parent}: {siblings}"
         )
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    meta = read_meta(path)
-    module.load_state_dict(state["state_dict"], strict=True)
-    optimizers = list(optimizers)
-    if len(optimizers) != len(state["optimizer_states"]):
-        raise RuntimeError(
-            f"resume: the checkpoint holds {len(state['optimizer_states'])} optimizer state(s) but the module "
-            f"configured {len(optimizers)}"
-        )
-    for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"], strict=True):
-        optimizer.load_state_dict(optimizer_state)
-    module.policy_version = state["policy_version"]
-    module.num_optimizer_steps = state["num_optimizer_steps"]
-    for callback in callbacks:
-        if callback.state_key in state["callbacks"]:
-            callback.load_state_dict(state["callbacks"][callback.state_key])
-    rng = path / rng_file(rank)
-    set_rng_states(torch.load(rng if rng.is_file() else path / rng_file(0), weights_only=True))
-    restored = policy_hash(getattr(module, "policy", module))
-    if restored != meta["policy_hash"]:
-        raise RuntimeError(
-            f"resume: the restored weights hash to {restored} but {path / META_FILE} records {meta['policy_hash']}; "
-            "build the policy as the checkpointed run did (model.path, model.lora)"
-        )
-    return ResumePoint(state["next_update"], state["policy_version"], meta)
+    if fabric is not None:
+        state = _load(path / STATE_FILE, lambda file: fabric.load(file))
+    else:
+        state = _load(path / STATE_FILE, lambda file: torch.load(file, map_location="cpu", weights_only=True))
+    meta = _load(path / META_FILE, lambda file: json.loads(file.read_text()))
+    for file, content, fields in ((path / STATE_FILE, state, _STATE_FIELDS), (path / META_FILE, meta, _META_FIELDS)):
+        missing = [name for name in fields if not isinstance(content, dict) or name not in content]
+        if missing:
+            raise CheckpointError(
+                f"resume: {file} lacks {', '.join(missing)}; it was not written by GPUClockCheckpoint (or is damaged): "
+                "resume from another update-<k> directory"
+            )
+    return state, meta
+
+
+def _load(file: Path, read: Any) -> Any:
+    """``read(file)``, any failure turned into one line naming the file and the error."""
+    try:
+        return read(file)
+    except Exception as error:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        raise CheckpointError(
+            f"resume: cannot read {file} ({reason}); the file is truncated or corrupt: resume from another "
+            f"update-<k> directory in {file.parent.parent}"
+        ) from error
 
 
 def _as_tuples(value: Any) -> Any:

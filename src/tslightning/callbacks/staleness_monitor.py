@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import lightning as L
-
-from tslightning.core.sources import BatchClosed, PolicyVersionError
-from tslightning.learner.streaming_module import ServiceRecord
+from tslightning.callbacks.update_callback import UpdateCallback, module_name
+from tslightning.core.sources import PolicyVersionError
+from tslightning.learner.update_log import log_update_metrics
+from tslightning.learner.update_result import ServiceRecord
 
 _SHOWN = 8  # offending sources named in an error message
 
@@ -22,17 +22,19 @@ def policy_lags(records: Iterable[ServiceRecord], version: int) -> list[int]:
     return [version - record.policy_version for record in records]
 
 
-class StalenessMonitor(L.Callback):
+class StalenessMonitor(UpdateCallback):
     """Logs per-update policy lag (``staleness/max_policy_lag``, ``staleness/mean_policy_lag``) and bounds it.
 
-    Reads the module's ``service_log`` when an update ends (``on_train_batch_end`` with
-    :class:`~tslightning.core.sources.BatchClosed`), where the update was computed at k = ``policy_version − 1``.
+    Reads the module's ``service_log`` — each source's sampling ``policy_version`` (see
+    :mod:`tslightning.callbacks.update_callback`) — when update k ends; a module without one is refused at the first
+    hook, since a staleness bound that checks nothing would pass silently.
 
     Args:
         max_policy_lag: Largest lag allowed; 0 for the zero-staleness schedules, 1 for ``async``.
     """
 
     def __init__(self, max_policy_lag: int = 0) -> None:
+        super().__init__()
         if not isinstance(max_policy_lag, int) or isinstance(max_policy_lag, bool) or max_policy_lag < 0:
             raise ValueError(
                 f"StalenessMonitor: max_policy_lag must be an int >= 0 (0 for sync/thundersync, 1 for async); "
@@ -47,28 +49,29 @@ class StalenessMonitor(L.Callback):
     def state_key(self) -> str:
         return self._generate_state_key(max_policy_lag=self.max_policy_lag)
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer | L.Fabric, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """Record and log the finished update's lags, then enforce the bound.
+    def check_host(self, trainer: Any, pl_module: Any) -> None:
+        if getattr(pl_module, "service_log", None) is None:
+            raise ValueError(
+                f"StalenessMonitor needs the policy version that sampled each source of an update: give "
+                f"{module_name(pl_module)} a `service_log` (records with policy_version, e.g. "
+                "tslightning.ServiceRecord), or remove the callback"
+            )
+
+    def on_update_end(self, trainer: Any, pl_module: Any, k: int, batch: Any) -> None:
+        """Record and log update k's lags, then enforce the bound.
 
         Raises:
             PolicyVersionError: If a source lags by more than ``max_policy_lag``, or was sampled by a newer policy
                 than the one the update was computed at.
         """
-        if not isinstance(batch, BatchClosed):
-            return
-        version = pl_module.policy_version - 1
         records = list(pl_module.service_log)
-        lags = policy_lags(records, version)
+        lags = policy_lags(records, k)
         if not lags:
             return
         self._record(lags)
-        if trainer.global_rank == 0:
-            metrics = {"staleness/max_policy_lag": float(max(lags)), "staleness/mean_policy_lag": sum(lags) / len(lags)}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=version)
-        self._check(records, lags, version)
+        metrics = {"staleness/max_policy_lag": float(max(lags)), "staleness/mean_policy_lag": sum(lags) / len(lags)}
+        log_update_metrics(trainer, pl_module, metrics, step=k)
+        self._check(records, lags, k)
 
     def _record(self, lags: list[int]) -> None:
         self.updates += 1

@@ -16,75 +16,121 @@ from typing import Any
 import lightning as L
 import torch
 
-from tslightning.core.sources import BatchClosed
+from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name
 from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
+from tslightning.learner.update_log import log_update_metrics
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
 
 
-class WeightPublisher(L.Callback):
-    """After each update, publishes the trainable policy's full weights at the module's new policy version.
+class WeightPublisher(UpdateCallback):
+    """After each update, publishes the trainable policy's full weights at the module's new policy version k + 1.
 
     The engine lives with global rank 0, which publishes; the outcome is then broadcast, so every rank waits for the
     acknowledgement and fails together if publication failed. With ``every_rank=True`` (rank-aware rollout: each
-    learner rank drives its own engine) every rank publishes to its engine and the outcomes are all-reduced. Records
-    ``module.update_timings["publication_s"]`` and logs ``timing_s/update_weights`` at step k.
+    learner rank drives its own engine) every rank publishes to its engine and the outcomes are all-reduced. Keeps
+    the :attr:`last_publication` (version, seconds until acknowledged, when), where the MFU monitor, the release trace
+    and checkpoints read it whatever their order; also writes ``update_timings["publication_s"]`` when the module
+    keeps such a dict, and logs ``timing_s/update_weights`` for update k.
+
+    At ``on_train_start`` an engine that serves another version than the module holds (a resumed run: the engine
+    started at version 0) is first sent the module's current weights at that version.
 
     Args:
         engine: The rollout engine; its ``publish`` returns after every replica acknowledged. ``None``: set
             :attr:`engine` before the first update (e.g. once each rank started its engine after ``fabric.launch()``).
         timeout_s: Seconds to wait for the acknowledgement before failing; ``None`` waits as long as the engine does.
         every_rank: Each learner rank has its own engine (it rolls out its own groups) and publishes to it.
+        policy: Returns the model the engine serves, given the LightningModule; ``None`` reads the module's
+            ``policy`` attribute (the streaming module's).
+        name: Distinguishes several publishers in a checkpoint (their ``state_key``).
     """
 
+    publishes = True
+
     def __init__(
-        self, engine: RolloutEngine | None = None, timeout_s: float | None = None, every_rank: bool = False
+        self,
+        engine: RolloutEngine | None = None,
+        timeout_s: float | None = None,
+        every_rank: bool = False,
+        policy: Callable[[Any], torch.nn.Module] | None = None,
+        name: str | None = None,
     ) -> None:
+        super().__init__()
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"WeightPublisher: timeout_s must be > 0 or None; got {timeout_s}")
         self.engine = engine
         self.timeout_s = timeout_s
         self.every_rank = every_rank
+        self.policy = policy
+        self.name = name
         self.published_version: int | None = None
         self.publications = 0
+        self.last_publication: Publication | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(engine=type(self.engine).__qualname__)
+        named = {} if self.name is None else {"name": self.name}
+        return self._generate_state_key(engine=type(self.engine).__qualname__, **named)
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer | L.Fabric,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        """On :class:`~tslightning.core.sources.BatchClosed` (the update took its step), publish θ_{k+1} and wait.
+    def check_host(self, trainer: Any, pl_module: Any) -> None:
+        if self.policy is None and not isinstance(getattr(pl_module, "policy", None), torch.nn.Module):
+            raise ValueError(
+                f"WeightPublisher needs the model the rollout engine serves: {module_name(pl_module)} has no "
+                "`policy` module; give it one or pass WeightPublisher(engine, policy=lambda module: module.model)"
+            )
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """A resumed run: have the engine serve the restored θ_k at version k before update k samples anything."""
+        super().on_train_start(trainer, pl_module)
+        self._require_engine()
+        version = self.current_index(trainer, pl_module)
+        if self._engines_serve_another(trainer, version):
+            weights = _full_weights(self._policy_of(pl_module))
+            publish = self._publish_from_every_rank if self.every_rank else self._publish_from_rank_zero
+            publish(trainer, weights, version)
+
+    def on_update_end(self, trainer: Any, pl_module: Any, k: int, batch: Any) -> None:
+        """Update k took its step: publish θ_{k+1} at version k + 1 and wait for every replica's acknowledgement.
 
         Raises:
             RolloutEngineError: If a replica did not acknowledge (in ``timeout_s``), or the receipt names another
-                version than the module's.
+                version.
         """
-        if not isinstance(batch, BatchClosed):
-            return
-        if self.engine is None:
-            raise RuntimeError("WeightPublisher has no engine: pass one, or set .engine before the first update")
-        version = pl_module.policy_version
+        self._require_engine()
+        version = k + 1
         start = time.perf_counter()
-        weights = _full_weights(pl_module.policy)  # ZeRO-3: a gather every rank enters
+        weights = _full_weights(self._policy_of(pl_module))  # ZeRO-3: a gather every rank enters
         if self.every_rank:
             self._publish_from_every_rank(trainer, weights, version)
         else:
             self._publish_from_rank_zero(trainer, weights, version)
         seconds = time.perf_counter() - start
-        pl_module.update_timings["publication_s"] = seconds
+        self.last_publication = Publication(version, seconds, time.time())
+        timings = getattr(pl_module, "update_timings", None)
+        if isinstance(timings, dict):
+            timings["publication_s"] = seconds
         self.published_version = version
         self.publications += 1
-        if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics({"timing_s/update_weights": seconds}, step=version - 1)
+        log_update_metrics(trainer, pl_module, {"timing_s/update_weights": seconds}, step=k)
+
+    def _engines_serve_another(self, trainer: Any, version: int) -> bool:
+        """Whether rank 0's engine (every rank's, with ``every_rank``) serves a version other than ``version``; the
+        same answer on every rank, since the publication that follows is collective."""
+        stale = self.engine.policy_version != version
+        if trainer.world_size == 1:
+            return stale
+        if not self.every_rank:
+            return bool(trainer.strategy.broadcast(stale, src=0))
+        return float(control_all_reduce(torch.tensor([float(stale)]))[0]) > 0  # a host flag: over gloo
+
+    def _require_engine(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("WeightPublisher has no engine: pass one, or set .engine before training starts")
+
+    def _policy_of(self, module: Any) -> torch.nn.Module:
+        return self.policy(module) if self.policy is not None else module.policy
 
     def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
         """Rank 0 publishes (a replicated policy: every rank holds θ_{k+1}); every rank raises if it failed."""
@@ -109,11 +155,11 @@ class WeightPublisher(L.Callback):
         except Exception as exc:
             error = exc
         # The all-reduce is also the sync point: no rank starts batch k+1 before every engine acknowledged θ_{k+1}.
-        failed = control_all_reduce(torch.tensor([float(error is not None)]))  # a host flag: over gloo, never NCCL
+        (failed,) = control_all_reduce(torch.tensor([float(error is not None)])).tolist()  # a host flag: over gloo
         if error is not None:
             raise error
-        if float(failed.sum()) > 0:
-            raise RolloutEngineError(f"{int(failed.sum())} learner rank(s) failed to publish θ_{version}")
+        if failed > 0:
+            raise RolloutEngineError(f"{int(failed)} learner rank(s) failed to publish θ_{version}")
 
     def _publish(self, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> PublishReceipt:
         state = weights()

@@ -38,7 +38,8 @@ class BatchPlan:
     """What one logical batch B_k will contain, registered before its first source.
 
     Attributes:
-        objective: GRPO (a source is a trajectory) or OPD (a source is a teacher-scored turn).
+        objective: GRPO (a source is a trajectory) or OPD (a source is a teacher-scored turn); the strings ``"grpo"``
+            and ``"opd"`` are accepted and stored as the :class:`Objective`.
         policy_version: k, the version of θ_k that samples and is differentiated in this batch.
         group_sizes: group id → number of trajectories m sampled for that prompt (this rank's groups).
         global_num_prompts: P of the token weights 1/(P·L_i) (App. D.1) across all learner ranks; ``None``
@@ -60,6 +61,13 @@ class BatchPlan:
     before a publication finish under the new weights). ``None``: every source carries ``policy_version``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.objective, Objective):  # BatchPlan("grpo", ...) too
+            if self.objective not in tuple(Objective):
+                raise SourceError(
+                    f"BatchPlan.objective must be one of {[o.value for o in Objective]} (or an Objective); "
+                    f"got {self.objective!r}"
+                )
+            object.__setattr__(self, "objective", Objective(self.objective))
         if not self.group_sizes and self.global_num_prompts is None:
             raise SourceError("BatchPlan.group_sizes is empty; register every group of the logical batch")
         check_int("BatchPlan", "policy_version", self.policy_version)

@@ -1,10 +1,24 @@
-"""A flat view of the trainable parameters, so gradient statistics are single contiguous vectors."""
+"""A flat view of the trainable parameters, so gradient statistics are single contiguous vectors; and their global
+norm, accumulated in float64."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 import torch
+
+
+def total_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The global ``norm_type``-norm of ``tensors`` (e.g. every parameter's ``.grad``) as a float64 scalar tensor.
+
+    Each tensor's norm is accumulated in float64 (``vector_norm(..., dtype=torch.float64)``), so float32 values enter
+    an exact-enough sum: ``torch.linalg.vector_norm`` of a float32 vector accumulates in float32 on a CPU and is
+    1.5e-5 off on 361k entries, 1.8e-4 on 3.6M. ``torch.nn.utils.clip_grads_with_norm_`` takes the result.
+    """
+    norms = [torch.linalg.vector_norm(t.detach(), norm_type, dtype=torch.float64) for t in tensors]
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
 class ParameterLayout:

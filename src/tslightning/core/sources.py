@@ -11,6 +11,7 @@ the fix, before anything downstream has seen it.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +61,20 @@ def _check_version(kind: str, policy_version: int) -> None:
     check_int(kind, "policy_version", policy_version)
 
 
-def _is_finite_number(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
+def _as_reward(value: object) -> float | None:
+    """``value`` as a finite Python float, or ``None``: a real number (Python, numpy scalar) or a one-element
+    float/int tensor; never a bool, a complex number or a string."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy bools are not numbers.Real
+        return None
     try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        return False
+        reward = float(value)
+    except (OverflowError, TypeError, ValueError):  # an int too large for a float
+        return None
+    return reward if math.isfinite(reward) else None
 
 
 def _describe(value: object) -> str:
@@ -85,7 +93,8 @@ class TrajectorySource:
         token_ids: ``(T,)`` integer ids of the whole trajectory: shared prompt, then every turn's action and
             observation tokens, exactly as the rollout engine produced them.
         scored_mask: ``(T,)`` bool, True on sampled action tokens (the set M_i of Eq. 4).
-        reward: The trajectory's scalar reward r_i; must be finite.
+        reward: The trajectory's scalar reward r_i, finite; a numpy scalar or a one-element tensor is stored as the
+            Python float it holds.
         policy_version: Version k of the policy θ_k that sampled the trajectory.
         prompt_length: Tokens ``[0, prompt_length)`` are the group's shared prompt (never scored).
     """
@@ -101,8 +110,13 @@ class TrajectorySource:
     def __post_init__(self) -> None:
         _check_tokens("TrajectorySource", self.token_ids, self.scored_mask)
         _check_version("TrajectorySource", self.policy_version)
-        if not _is_finite_number(self.reward):
-            raise SourceError(f"TrajectorySource.reward must be a finite number; got {self.reward!r}")
+        reward = _as_reward(self.reward)
+        if reward is None:
+            raise SourceError(
+                f"TrajectorySource.reward must be a finite number (a float, an int, a numpy scalar or a one-element "
+                f"tensor); got {self.reward!r}"
+            )
+        object.__setattr__(self, "reward", reward)
         check_int("TrajectorySource", "trajectory_index", self.trajectory_index)
         length = self.token_ids.numel()
         if (

@@ -32,9 +32,8 @@ import torch.distributed as dist
 
 from tslightning.core.batch_registry import BatchPlan, BatchRegistry, Objective
 from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
-from tslightning.core.parameter_layout import ParameterLayout
+from tslightning.core.parameter_layout import ParameterLayout, total_norm
 from tslightning.core.sources import (
-    BatchClosed,
     GroupClosed,
     PolicyVersionError,
     Source,
@@ -62,11 +61,12 @@ from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
+from tslightning.learner.update_stream import UpdateStreamHooks, check_token_range
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import scored_logprobs
 
 
-class StreamingPolicyModule(L.LightningModule):
+class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     """Exact gradient streaming for GRPO and OPD on any causal LM (full fine-tuning or a peft LoRA model).
 
     Args:
@@ -209,7 +209,7 @@ class StreamingPolicyModule(L.LightningModule):
         registry = self._require_registry()
         registry.check(item)
         if isinstance(item, TrajectorySource | TurnSource):
-            self._check_token_range(item)
+            check_token_range(self.policy, item)
         ready_turns = [item] if isinstance(item, TurnSource) else []
         if isinstance(item, TrajectorySource) and self.shared_prompts is not None:
             self.shared_prompts.admit(item)  # refuses a trajectory outside its group's prompt
@@ -248,6 +248,11 @@ class StreamingPolicyModule(L.LightningModule):
     def barrier(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None] | None = None) -> UpdateResult:
         """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}.
 
+        Reading the update: afterwards :attr:`last_direction` holds g_k — the *ascent* direction of the objective
+        (Eq. 7 / Eq. 9), reduced over ranks, normalized, before clipping, flat in :attr:`layout` order —
+        :meth:`named_direction` gives it per parameter name, and :attr:`last_update` the norm and clip coefficient
+        c. The optimizer is handed ``.grad = −c · g_k`` (optimizers descend), so SGD(lr) moves θ by ``+lr · c · g_k``.
+
         Args:
             optimizer: The optimizer over :attr:`layout` ``.parameters`` (a Fabric- or Lightning-wrapped one works).
             before_step: Runs once the batch direction is in ``.grad`` and before clipping and the step; a Fabric
@@ -272,7 +277,7 @@ class StreamingPolicyModule(L.LightningModule):
                 self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
         agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
-        norm = float(torch.linalg.vector_norm(direction))
+        norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))  # float32 entries, float64 sum
         if not math.isfinite(norm):
             raise FloatingPointError(
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
@@ -291,9 +296,10 @@ class StreamingPolicyModule(L.LightningModule):
         if zero is not None or fsdp:  # the module clipped: the coefficient it applied
             applied = coefficient * norm
         else:
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.layout.parameters, self.max_grad_norm, error_if_nonfinite=True)
-            applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype)))
+            if self.max_grad_norm is not None:  # the norm of .grad as GradientClipping takes it, bit for bit
+                grad_norm = total_norm(p.grad for p in self.layout.parameters)
+                torch.nn.utils.clip_grads_with_norm_(self.layout.parameters, self.max_grad_norm, grad_norm)
+            applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype), dtype=torch.float64))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
@@ -313,33 +319,20 @@ class StreamingPolicyModule(L.LightningModule):
         self._reset_batch()
         return result
 
-    # ----------------------------------------------------------------- Lightning hooks
-    def training_step(self, batch: StreamItem | BatchPlan, batch_idx: int) -> None:
-        """One stream item per step; the barrier runs when BatchClosed arrives (Trainer or Fabric loops).
+    # ----------------------------------------------------------------- reading the update
+    @property
+    def clips_gradients(self) -> bool:
+        """Whether the barrier clips the batch direction itself (``max_grad_norm`` set); a
+        :class:`~tslightning.callbacks.GradientClipping` callback then refuses to clip it again."""
+        return self.max_grad_norm is not None
 
-        The barrier's :class:`UpdateResult` is kept in :attr:`last_update` and logged when a Trainer or Fabric
-        is attached.
-        """
-        self.ingest(batch)
-        if not isinstance(batch, BatchClosed):
-            return
-        self.barrier(self.optimizers())
-        if self._trainer is not None or self._fabric is not None:
-            update = self.last_update
-            metrics = {
-                "actor/num_sources": float(update.num_sources),
-                "actor/num_scored_tokens": float(update.num_scored_tokens),
-                "actor/policy_version": float(update.policy_version),
-            }
-            if self.max_grad_norm is not None:  # otherwise GradientClipping logs the norm and coefficient it applied
-                metrics["actor/grad_norm"] = update.direction_norm
-                metrics["actor/grad_clip_coef"] = update.clip_coefficient
-            self.log_dict(metrics, batch_size=1, on_step=True)
-
-    def transfer_batch_to_device(self, batch: StreamItem | BatchPlan, device: torch.device, dataloader_idx: int):
-        """Stream items pass through unchanged: they are frozen records, and each source's tokens move to the
-        policy's device inside its own forward (so held sync sources and queued sources stay on the host)."""
-        return batch
+    def named_direction(self) -> dict[str, torch.Tensor]:
+        """The last update's g_k per trainable parameter, keyed like ``policy.named_parameters()`` (views of
+        :attr:`last_direction`; ascent direction, unclipped — see :meth:`barrier`)."""
+        if self.last_direction is None:
+            raise RuntimeError("named_direction: no update has run yet (the barrier sets last_direction)")
+        names = [name for name, p in self.policy.named_parameters() if p.requires_grad]
+        return dict(zip(names, self.layout.unflatten(self.last_direction), strict=True))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         s = self.optimizer_settings
@@ -435,20 +428,7 @@ class StreamingPolicyModule(L.LightningModule):
         release_pass_leftovers(self)  # ZeRO-3 only
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
-        for s in sources:
-            self.service_log.append(
-                ServiceRecord(
-                    type(s).__name__,
-                    s.group_id,
-                    s.trajectory_index,
-                    getattr(s, "turn_index", None),
-                    s.policy_version,
-                    s.token_ids.numel(),
-                    s.num_scored,
-                    start,
-                    end,
-                )
-            )
+        self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
 
     # ----------------------------------------------------------------- barrier pieces
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
@@ -479,15 +459,6 @@ class StreamingPolicyModule(L.LightningModule):
                 f"no logical batch is open at version {self.policy_version}; ingest a BatchPlan before its sources"
             )
         return self._registry
-
-    def _check_token_range(self, source: Source) -> None:
-        vocab = self.policy.get_input_embeddings().num_embeddings
-        top = int(source.token_ids.max())
-        if top >= vocab:
-            raise SourceError(
-                f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "
-                "the rollout engine and learner must share one tokenizer"
-            )
 
     def _leaves(self) -> list[torch.Tensor]:
         """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""

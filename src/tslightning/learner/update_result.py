@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tslightning.core.group_accumulator import GroupReduction
+from tslightning.core.sources import TrajectorySource, TurnSource
 
 
 @dataclass
@@ -49,3 +50,19 @@ class ServiceRecord:
     scored_tokens: int
     start: float
     end: float
+
+    @classmethod
+    def served(cls, source: TrajectorySource | TurnSource, start: float, end: float) -> ServiceRecord:
+        """The record of ``source`` served from ``start`` to ``end``."""
+        turn = source.turn_index if isinstance(source, TurnSource) else None
+        return cls(
+            type(source).__name__,
+            source.group_id,
+            source.trajectory_index,
+            turn,
+            source.policy_version,
+            source.token_ids.numel(),
+            source.num_scored,
+            start,
+            end,
+        )

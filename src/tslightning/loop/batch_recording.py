@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tslightning.core.batch_registry import BatchPlan
-from tslightning.core.sources import StreamItem
+from tslightning.core.sources import BatchClosed, StreamItem
 
 
 def batch_file(directory: Path, rank: int, update: int) -> Path:
@@ -24,16 +24,21 @@ def batch_file(directory: Path, rank: int, update: int) -> Path:
 
 
 def recorded(items: Iterable[BatchPlan | StreamItem], path: Path | None) -> Iterator[BatchPlan | StreamItem]:
-    """Yield ``items`` unchanged; once they are exhausted, save them to ``path`` (``None``: record nothing)."""
+    """Yield ``items`` unchanged, saving them all to ``path`` as the batch closes (``None``: record nothing).
+
+    The loop stops asking at :class:`~tslightning.core.sources.BatchClosed`, so the file is written before that item
+    is handed over, not when the iterator is exhausted.
+    """
     if path is None:
         yield from items
         return
     seen = []
     for item in items:
         seen.append(item)
+        if isinstance(item, BatchClosed):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(seen, path)
         yield item
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(seen, path)
 
 
 def load_batches(directory: Path, update: int) -> dict[int, list[BatchPlan | StreamItem]]:

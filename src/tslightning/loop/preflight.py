@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.settings import OptimizerSettings
-from tslightning.loop.resume import missing_checkpoint, resume_problems
+from tslightning.loop.learner_shape import learner_shape, policy_config
+from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
 from tslightning.loop.settings import (
     CheckpointSettings,
@@ -24,6 +29,7 @@ from tslightning.loop.settings import (
     settings_error,
 )
 from tslightning.loop.startup import select_tasks
+from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.rollout.core_placement import check_cores
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
@@ -93,7 +99,11 @@ def preflight(
     problems += _optimizer_problems(optimizer, available_flops)
     problems += _objective_problems(objective, schedule, advantage, rollout)
     problems += _machine_problems(accelerator, rollout, learner, model)
-    problems += resume_problems(resume, schedule) + callback_problems(callbacks)
+    problems += process_group_problems(learner)
+    problems += statistics_problems(
+        objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
+    )
+    problems += resume_problems(resume, schedule) + unreadable_checkpoint(resume) + callback_problems(callbacks)
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume)
@@ -190,6 +200,49 @@ def _machine_problems(
         except ValueError as error:
             problems.append(str(error))
     return problems
+
+
+def process_group_problems(learner: LearnerSettings) -> list[str]:
+    """A process group, or a launcher's world, that is not ``learner.devices x learner.num_nodes`` ranks."""
+    problems = []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != learner.world_size:
+        problems.append(
+            f"learner: this process already belongs to a torch.distributed group of {dist.get_world_size()} rank(s), "
+            f"not learner.devices x learner.num_nodes = {learner.world_size}; start fit before anything (an in-process "
+            "engine included) initializes a process group"
+        )
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) != learner.world_size:
+        problems.append(
+            f"learner.devices x learner.num_nodes = {learner.world_size}, but the launcher started {launched} ranks "
+            "(WORLD_SIZE): set them to what torchrun --nproc-per-node x --nnodes (or srun) starts"
+        )
+    return problems
+
+
+def statistics_problems(
+    objective: str, model: ModelSettings, rollout: RolloutSettings, learner: LearnerSettings, cap, device_bytes
+) -> list[str]:
+    """Device-resident statistics that alone exceed the learner device's memory (``device_bytes``; ``None``: not a
+    GPU run, nothing to check)."""
+    if learner.statistics_device != "device" or device_bytes is None:
+        return []
+    config = policy_config(model)
+    shape = learner_shape(config, objective, model, rollout, learner, cap)
+    need = plan_learner_memory(config, shape, activations=False).statistics
+    if need <= device_bytes:
+        return []
+    return [
+        f"learner.statistics_device: device holds {shape.open_groups} open group(s)' G1/G2 and the batch accumulator, "
+        f"{need / 2**30:.1f} GiB, more than the learner GPU's {device_bytes / 2**30:.1f} GiB: set "
+        "learner.statistics_device: host, or group_admission_cap lower (tslightning plan shows every component)"
+    ]
+
+
+def _device_memory(accelerator: str) -> int | None:
+    if accelerator not in ("cuda", "gpu", "auto") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def _model_paths_missing(model: ModelSettings, objective: str) -> list[str]:

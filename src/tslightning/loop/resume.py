@@ -4,15 +4,17 @@ the replicas serve the restored θ_k before update k + 1 samples anything.
 
 from __future__ import annotations
 
+import json
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tslightning.callbacks import GPUClockCheckpoint
-from tslightning.callbacks.checkpoint_state import STATE_FILE, restore_checkpoint
+from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publishable_state_dict
-from tslightning.loop.settings import CheckpointSettings
+from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
 
 def checkpointer(settings: CheckpointSettings, out: Path, seed: int, config: Mapping[str, Any]) -> GPUClockCheckpoint:
@@ -49,13 +51,38 @@ def missing_checkpoint(resume: str | None) -> list[str]:
     return [f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory{where}"]
 
 
+def unreadable_checkpoint(resume: str | None) -> list[str]:
+    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``state.pt`` is a whole torch zip
+    archive (a truncated one has no central directory) and ``meta.json`` parses. One line per damaged file, naming
+    it; the full load at restore checks the rest (:class:`~tslightning.callbacks.CheckpointError`)."""
+    if resume is None or not (Path(resume) / STATE_FILE).is_file():
+        return []
+    path = Path(resume)
+    problems = []
+    if not zipfile.is_zipfile(path / STATE_FILE):
+        problems.append(
+            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
+            f"another update-<k> directory in {path.parent}"
+        )
+    try:
+        json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        problems.append(f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory")
+    return problems
+
+
 def resume_from(path: str, fabric, module, optimizer, engine) -> int:
     """Restore a checkpoint into the set-up module, optimizer and callbacks; returns the next update index.
 
     The replicas still serve θ_0 from startup: publishing the restored θ_k at version k before update k samples
     anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's).
     """
-    point = restore_checkpoint(path, module, [optimizer], checkpointed_callbacks(fabric), fabric.global_rank)
+    try:
+        callbacks = checkpointed_callbacks(fabric)
+        point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
+    except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
+        raise InvalidSettingsError([str(error)]) from error
     if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
         engine.publish(publishable_state_dict(module.policy), point.policy_version)
     fabric.barrier()

@@ -19,6 +19,7 @@ from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import BatchClosed
 from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.rank_failure import reported_to_ranks
+from tslightning.learner.update_log import log_update_metrics, write_update_row
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 
@@ -140,7 +141,8 @@ def record_update(fabric, module, datamodule, result: FitResult, update: int, st
     if module.max_grad_norm is not None and module.last_update is not None:  # the module clipped (ZeRO, FSDP)
         metrics["actor/grad_norm"] = module.last_update.direction_norm
         metrics["actor/grad_clip_coef"] = module.last_update.clip_coefficient
-    fabric.log_dict(metrics, step=update)
+    log_update_metrics(fabric, module, metrics, step=update)
+    write_update_row(fabric)  # one row per update: the callbacks' metrics and these
     bar.set_postfix(reward=f"{result.mean_rewards[-1]:.3f}", step_s=f"{result.step_seconds[-1]:.1f}")
 
 

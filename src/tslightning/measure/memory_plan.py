@@ -125,8 +125,9 @@ class MemoryPlan:
         return changes
 
 
-def plan_learner_memory(config: Any, shape: LearnerShape) -> MemoryPlan:
-    """The plan for a Hugging Face causal LM with ``config`` (a ``PretrainedConfig``) trained as ``shape`` says."""
+def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = True) -> MemoryPlan:
+    """The plan for a Hugging Face causal LM with ``config`` (a ``PretrainedConfig``) trained as ``shape`` says;
+    ``activations=False`` skips the activation traces (their fields are 0)."""
     trainable_dtype, frozen_dtype, compute_dtype = _DTYPES[shape.precision]
     model = _fake_model(config, frozen_dtype if shape.lora_rank else trainable_dtype)
     total = sum(p.numel() for p in model.parameters())
@@ -137,8 +138,8 @@ def plan_learner_memory(config: Any, shape: LearnerShape) -> MemoryPlan:
     vectors = 2 * shape.open_groups + 1 if shape.objective == "grpo" else 1
     sharded = shape.world_size if shape.strategy in _SHARDS_WEIGHTS else 1
     optimizer_shards = shape.world_size if shape.strategy in _SHARDS_OPTIMIZER else 1
-    activations = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype, checkpointing=False)
-    checkpointed = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype, checkpointing=True)
+    activations = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype) if activations else 0
+    checkpointed = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype, True) if activations else 0
     layers = max(1, getattr(config, "num_hidden_layers", 1))
     return MemoryPlan(
         weights=math.ceil(weights / sharded),

@@ -272,8 +272,12 @@ class RolloutDataModule(L.LightningDataModule):
         return self.tasks[order[position]]
 
     def train_dataloader(self) -> DataLoader:
-        """Stream items one per step (``batch_size=None``); pair with ``StreamingPolicyModule.training_step``."""
-        return DataLoader(_UpdateStream(self), batch_size=None, num_workers=0)
+        """One update per Trainer batch: each batch is a generator that runs the update's rollout when the learner
+        first iterates it, so the DataLoader's prefetch samples nothing ahead of the publication (pair with
+        ``StreamingPolicyModule.training_step``). It starts at the attached Trainer's ``global_step``, so a run
+        resumed with ``fit(ckpt_path=...)`` continues at its next update. Generators cannot cross to worker
+        processes: ``num_workers=0``."""
+        return DataLoader(_UpdateStream(self), batch_size=None, num_workers=0, collate_fn=_update_as_is)
 
     # ------------------------------------------------------------------ producer side (background event loop)
     def _produce(self, update: int, version: int, tasks: dict, ready: queue.Queue, start: float) -> None:
@@ -345,13 +349,18 @@ class RolloutDataModule(L.LightningDataModule):
 
 
 class _UpdateStream(IterableDataset):
-    """Successive updates' streams; update k+1 starts only after update k's items were all consumed."""
+    """Successive updates' streams, one lazy generator each; update k+1's rollout starts when the learner starts it."""
 
     def __init__(self, datamodule: RolloutDataModule) -> None:
         self.datamodule = datamodule
 
-    def __iter__(self) -> Iterator[BatchPlan | StreamItem]:
-        update = 0
+    def __iter__(self) -> Iterator[Iterator[BatchPlan | StreamItem]]:
+        trainer = self.datamodule.trainer
+        update = 0 if trainer is None else trainer.global_step
         while self.datamodule.updates is None or update < self.datamodule.updates:
-            yield from self.datamodule.stream_update(update)
+            yield self.datamodule.stream_update(update)
             update += 1
+
+
+def _update_as_is(update: Iterator[BatchPlan | StreamItem]) -> Iterator[BatchPlan | StreamItem]:
+    return update
