@@ -21,8 +21,10 @@ def tasks_validate(
     """Check terminal tasks: the reference solution passes and the no-op agent does not (App. C.2).
 
     Usage: ``tslightning tasks validate [DIR]``. For each task, two fresh sandbox attempts: one where the agent does
-    nothing, one that runs ``solution/solve.sh``; the verifier scores both. Prints a table and exits 1 naming each
-    task whose reference does not fully pass or whose no-op already passes (with the verifier output's tail).
+    nothing, one that runs ``solution/solve.sh``; the verifier scores both. Prints a table (each task's status:
+    valid, invalid, needs image, needs network at build, needs helper container; build and set-up seconds) and exits
+    1 naming each task whose reference does not fully pass or whose no-op already passes (with the verifier output's
+    tail), and each task whose environment cannot be provided here (with the reason; no attempt is run).
 
     Args:
         path: A task directory or a directory of task directories (default: the shipped library).
@@ -39,9 +41,13 @@ def tasks_validate(
         print(f"tasks validate: {error}", file=sys.stderr)
         sys.exit(2)
     print(format_table(results))
-    failed = [result.task for result in results if not result.ok]
+    failed = [result.task for result in results if result.status == "invalid"]
+    unmet = [f"{result.task} ({result.status})" for result in results if result.needs is not None]
     if failed:
         print(f"tasks validate: {len(failed)} invalid task(s): {', '.join(failed)}", file=sys.stderr)
+    if unmet:
+        print(f"tasks validate: {len(unmet)} task(s) cannot run here: {', '.join(unmet)}", file=sys.stderr)
+    if failed or unmet:
         sys.exit(1)
 
 

@@ -28,7 +28,7 @@ from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_dem
 from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
-from tslightning.tasks.validation import library_dir
+from tslightning.tasks.validation import library_dir, unmet_needs
 
 
 @dataclass
@@ -83,6 +83,13 @@ def select_tasks(rollout: RolloutSettings) -> TaskSelection:
                 f"rollout.tasks: task {task.name!r} is a multi-step task ([[steps]]), which fit does not train on "
                 "(a step's instruction would arrive mid-trajectory); `tslightning tasks validate` runs it. Leave it "
                 "out with rollout.task_names"
+            )
+            continue
+        unmet = unmet_needs(task)
+        if unmet is not None:
+            selection.problems.append(
+                f"rollout.tasks: task {task.name!r} {unmet[0]}: {'; '.join(unmet[1])} (leave it out with "
+                "rollout.task_names; `tslightning tasks validate` lists what each task needs)"
             )
             continue
         selection.tasks.append(task)

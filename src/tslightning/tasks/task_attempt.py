@@ -65,13 +65,13 @@ class TerminalTaskAttempt:
 
     @property
     def workdir(self) -> str:
-        """Where commands start: ``[environment] workdir``, else ``/app``."""
-        return self.task.environment.workdir or APP
+        """Where commands start: ``[environment] workdir``, else the image's ``WORKDIR``, else ``/app``."""
+        return self.task.workdir
 
     def run_command(self, command: str) -> CommandResult:
         """Run one agent command in the working directory; its failures come back in the result, never raised."""
         return self.sandbox.run(
-            command, limits=self.command_limits, mounts=("app",), cwd=self.workdir, env=self.task.environment.env
+            command, limits=self.command_limits, mounts=("app",), cwd=self.workdir, env=self.task.command_env
         )
 
     def run_solution(self, solution_dir: Path | None = None, timeout_s: float | None = None) -> CommandResult:

@@ -14,7 +14,8 @@ instruction, and optionally ``steps/<name>/tests/`` (layered over ``tests/``), `
 ``steps/<name>/workdir/`` (copied into the working directory before the step; its ``setup.sh`` runs first).
 
 **Seeding /app.** Where a task runs on the host's system (its Dockerfile only copies files into ``/app`` from a
-base the host stands in for, see :mod:`tslightning.environments`), every file under ``environment/`` except the
+base the host stands in for: :attr:`TerminalTask.needs` is ``host``, see :mod:`~tslightning.tasks.environment_needs`),
+every file under ``environment/`` except the
 container build files (:data:`CONTAINER_BUILD_FILES`) is copied into ``/app``, keeping its relative path. The shipped
 tasks' Dockerfiles ``COPY`` exactly those files to ``/app``, so the same directory also runs unchanged under Harbor.
 """
@@ -26,11 +27,13 @@ import shutil
 import tomllib
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from tslightning.sandbox import AttemptDirectory, SandboxLimits
+from tslightning.tasks.dockerfile import DockerfileError
+from tslightning.tasks.environment_needs import EnvironmentNeeds, environment_needs
 from tslightning.tasks.task_config import (
     TASK_TOML,
     AgentSettings,
@@ -104,6 +107,7 @@ class TerminalTask:
         steps: ``[[steps]]`` of a multi-step task (empty for a single-step task).
         multi_step_reward_strategy: How a multi-step task's step rewards make its reward (``mean`` / ``final``).
         warnings: What task.toml holds that is ignored here (each names the key).
+        needs: What the task's environment needs (the host's system, a build, an image, helper containers).
     """
 
     name: str
@@ -120,6 +124,7 @@ class TerminalTask:
     steps: tuple[StepSettings, ...] = ()
     multi_step_reward_strategy: Literal["mean", "final"] = "mean"
     warnings: tuple[str, ...] = ()
+    needs: EnvironmentNeeds = field(default_factory=lambda: EnvironmentNeeds("host"))
 
     @property
     def task_id(self) -> str:
@@ -147,7 +152,8 @@ class TerminalTask:
             problems.append(f"{TEST_SCRIPT}: missing (the verifier entrypoint is required)")
         if not (root / ENVIRONMENT_DIR).is_dir():
             problems.append(f"{ENVIRONMENT_DIR}/: missing (the directory seeding /app is required, even if empty)")
-        if problems or config is None:
+        needs = _read_needs(root, config, problems) if config is not None else None
+        if problems or config is None or needs is None:
             raise TaskFormatError(root, problems)
         for message in config.warnings:
             warnings.warn(f"task {root.name!r}: {message}", TaskFormatWarning, stacklevel=2)
@@ -166,7 +172,18 @@ class TerminalTask:
             steps=config.steps,
             multi_step_reward_strategy=config.multi_step_reward_strategy,
             warnings=config.warnings,
+            needs=needs,
         )
+
+    @property
+    def command_env(self) -> dict[str, str]:
+        """The environment of every command: the image's ``ENV``, then ``[environment] env`` over it."""
+        return {**self.needs.env, **self.environment.env}
+
+    @property
+    def workdir(self) -> str:
+        """Where commands start: ``[environment] workdir``, else the image's ``WORKDIR``, else ``/app``."""
+        return self.environment.workdir or self.needs.workdir or "/app"
 
     @property
     def environment_dir(self) -> Path:
@@ -308,6 +325,25 @@ def _check_steps(root: Path, steps: tuple[StepSettings, ...], problems: list[str
         if not (root / relative / TEST_SCRIPT).is_file() and not (root / TEST_SCRIPT).is_file():
             problems.append(f"{relative}/{TEST_SCRIPT}: missing, and no {TEST_SCRIPT} to fall back on")
     return instructions[0] if instructions else ""
+
+
+def _read_needs(root: Path, config, problems: list[str]) -> EnvironmentNeeds | None:
+    """The environment's needs (:mod:`~tslightning.tasks.environment_needs`); a Dockerfile that cannot be read is a
+    problem naming its line."""
+    if not (root / ENVIRONMENT_DIR).is_dir():
+        return None
+    try:
+        needs = environment_needs(
+            root / ENVIRONMENT_DIR, config.environment.docker_image, config.verifier.environment_mode
+        )
+    except DockerfileError as error:
+        problems.append(f"{ENVIRONMENT_DIR}/{error}")
+        return None
+    workdir = config.environment.workdir
+    if needs.status == "host" and workdir is not None and workdir != "/app" and not workdir.startswith("/app/"):
+        reason = f"task.toml: [environment] workdir {workdir} (the host shows only /app)"
+        return replace(needs, status="build", reasons=(reason,))
+    return needs
 
 
 def _read_toml(root: Path, problems: list[str]) -> dict[str, Any] | None:

@@ -4,11 +4,18 @@ For each task two fresh attempts are made, each in its own sandbox attempt direc
 the *no-op* agent runs nothing, the *reference* agent runs ``solution/solve.sh``; the verifier then scores each.
 A task is valid when the reference scores a full pass (``p = 1``) and the no-op does not. Failing tasks are removed
 from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them with the verifier output's tail.
+
+Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
+or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
+``needs helper container``; see :mod:`~tslightning.tasks.environment_needs`), with the reason, and no attempt is run:
+a reference solution is never reported as failing when the environment is the cause. Build time (``-`` when the
+host stands in) and each attempt's set-up time (opening the environment until the agent could act) are reported.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -25,6 +32,7 @@ __all__ = [
     "SandboxFactory",
     "TaskValidation",
     "format_table",
+    "unmet_needs",
     "library_dir",
     "sandbox_factory",
     "validate_task",
@@ -41,7 +49,10 @@ class TaskValidation:
         path: The task directory.
         noop: The verifier's verdict on the untouched environment (``None`` if it never ran).
         reference: The verifier's verdict after ``solution/solve.sh`` (``None`` if it never ran).
-        problems: Why the task is invalid; empty when it is valid.
+        problems: Why the task is invalid or cannot run here; empty when it is valid.
+        needs: What the environment needs when it cannot be provided here (``needs image``, ...), else ``None``.
+        build_s: Seconds spent building the environment (``None``: nothing was built).
+        setup_s: Mean seconds from opening an attempt until its agent could act (``None``: no attempt ran).
     """
 
     task: str
@@ -49,10 +60,21 @@ class TaskValidation:
     noop: VerifierResult | None = None
     reference: VerifierResult | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
+    needs: str | None = None
+    build_s: float | None = None
+    setup_s: float | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def status(self) -> str:
+        """``valid``, ``invalid``, or the environment's need (``needs image``, ``needs network at build``,
+        ``needs helper container``)."""
+        if self.needs is not None:
+            return self.needs
+        return "valid" if self.ok else "invalid"
 
 
 def library_dir() -> Path:
@@ -85,10 +107,36 @@ def validate_task(
         return TaskValidation(task=Path(task_dir).name, path=Path(task_dir), problems=tuple(error.problems))
     if task.solution_script is None:
         return TaskValidation(task.name, task.root, problems=("no solution/solve.sh to validate against",))
-    noop = _attempt(task, factory, scheme, reward_key, run_solution=False)
-    reference = _attempt(task, factory, scheme, reward_key, run_solution=True)
+    unmet = unmet_needs(task)
+    if unmet is not None:
+        return TaskValidation(task.name, task.root, problems=unmet[1], needs=unmet[0])
+    (noop, noop_setup), (reference, reference_setup) = (
+        _attempt(task, factory, scheme, reward_key, run_solution=solution) for solution in (False, True)
+    )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
-    return TaskValidation(task.name, task.root, noop=noop, reference=reference, problems=tuple(problems))
+    return TaskValidation(
+        task.name,
+        task.root,
+        noop=noop,
+        reference=reference,
+        problems=tuple(problems),
+        setup_s=(noop_setup + reference_setup) / 2,
+    )
+
+
+def unmet_needs(task: TerminalTask) -> tuple[str, tuple[str, ...]] | None:
+    """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
+
+    A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
+    the Dockerfile needs the build).
+    """
+    needs = task.needs
+    if needs.status == "host":
+        return None
+    if needs.status == "build":
+        reasons = tuple(f"needs a build of its image, which this sandbox cannot make: {r}" for r in needs.reasons)
+        return "needs image", reasons
+    return needs.status, needs.reasons
 
 
 def validate_tasks(
@@ -112,14 +160,21 @@ def validate_tasks(
 
 
 def format_table(results: Sequence[TaskValidation]) -> str:
-    """A fixed-width table: task, no-op verdict, reference verdict, status; then each failure's problems."""
+    """A fixed-width table: task, no-op verdict, reference verdict, build and set-up seconds, status; then each
+    failure's problems."""
     width = max([len("task"), *(len(result.task) for result in results)])
-    lines = [f"{'task':<{width}}  {'no-op':<16}  {'reference':<16}  status", "-" * (width + 46)]
+    header = f"{'task':<{width}}  {'no-op':<16}  {'reference':<16}  {'build s':>7}  {'setup s':>7}  status"
+    lines = [header, "-" * (len(header) + 20)]
     for result in results:
-        status = "ok" if result.ok else "FAIL"
-        lines.append(f"{result.task:<{width}}  {_cell(result.noop):<16}  {_cell(result.reference):<16}  {status}")
+        cells = f"{_cell(result.noop):<16}  {_cell(result.reference):<16}"
+        times = f"{_seconds(result.build_s):>7}  {_seconds(result.setup_s):>7}"
+        status = "FAIL: invalid" if result.status == "invalid" else result.status
+        lines.append(f"{result.task:<{width}}  {cells}  {times}  {status}")
     failed = [result for result in results if not result.ok]
+    counts = {status: sum(r.status == status for r in results) for status in dict.fromkeys(r.status for r in results)}
     lines.append(f"\n{len(results) - len(failed)}/{len(results)} tasks valid")
+    if len(counts) > 1 or "valid" not in counts:
+        lines.append("by status: " + ", ".join(f"{status} {count}" for status, count in counts.items()))
     for result in failed:
         lines.append(f"\n{result.task} ({result.path}):")
         lines.extend(f"  - {problem}" for problem in result.problems)
@@ -128,10 +183,13 @@ def format_table(results: Sequence[TaskValidation]) -> str:
 
 def _attempt(
     task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, reward_key: str, run_solution: bool
-) -> VerifierResult:
+) -> tuple[VerifierResult, float]:
+    """The verdict of one attempt, and its set-up seconds."""
+    started = time.perf_counter()
     with TerminalTaskAttempt(task, scheme, factory, reward_key=reward_key) as attempt:
+        setup_s = time.perf_counter() - started
         if task.multi_step:
-            return _steps_attempt(attempt, run_solution)
+            return _steps_attempt(attempt, run_solution), setup_s
         solution_note = ""
         if run_solution:
             solved = attempt.run_solution()
@@ -140,8 +198,8 @@ def _attempt(
         attempt.verify()
         result = attempt.verification
     if solution_note:  # keep the solution's own failure beside the verifier's verdict
-        return replace(result, reason=f"{result.reason}; {solution_note}")
-    return result
+        return replace(result, reason=f"{result.reason}; {solution_note}"), setup_s
+    return result, setup_s
 
 
 def _steps_attempt(attempt: TerminalTaskAttempt, run_solution: bool) -> VerifierResult:
@@ -184,6 +242,10 @@ def _cell(result: VerifierResult | None) -> str:
     if result.passed_fraction is None:
         return "error"
     return f"p={result.passed_fraction:.2f} r={result.reward:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _indent(text: str, prefix: str) -> str:

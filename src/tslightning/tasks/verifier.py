@@ -105,7 +105,7 @@ def run_verifier(
         VERIFIER_COMMAND,
         limits=task.sandbox_limits(settings.timeout_sec),
         mounts=("app", "tests", "logs"),
-        env={**task.environment.env, **settings.env} or None,
+        env={**task.command_env, **settings.env} or None,
         verifier=True,
     )
     return score_verifier_run(result, read_reward_files(attempt.logs, reward_key), settings.timeout_sec, scheme)
@@ -130,7 +130,7 @@ def run_reference_solution(
         ORACLE_COMMAND,
         limits=task.sandbox_limits(timeout),
         mounts=("app", "oracle"),
-        env={**task.environment.env, **task.solution_env} or None,
+        env={**task.command_env, **task.solution_env} or None,
     )
 
 
