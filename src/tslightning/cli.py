@@ -17,7 +17,7 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
 from tslightning.commands.plan import plan_report
-from tslightning.commands.task_directories import tasks_migrate, tasks_validate
+from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import RolloutSettings, fit
@@ -293,7 +293,7 @@ COMMANDS = {
     "replay": replay,
     "predict": predict,
     "bench": bench,
-    "tasks": {"validate": tasks_validate, "migrate": tasks_migrate},
+    "tasks": {"validate": tasks_validate, "migrate": tasks_migrate, "toolchain": tasks_toolchain},
 }
 
 _DESCRIPTION = (
@@ -367,7 +367,7 @@ def _run(args: list[str]) -> None:
 def _positional_task_dir(args: list[str]) -> list[str]:
     """Let ``tasks validate DIR`` name its directory positionally as well as with ``--path DIR``, and ``tasks
     migrate SOURCE TARGET`` its two as well as with ``--source``, ``--target``."""
-    if args[:2] == ["tasks", "validate"] and len(args) > 2 and not args[2].startswith("-"):
+    if args[:2] in (["tasks", "validate"], ["tasks", "toolchain"]) and len(args) > 2 and not args[2].startswith("-"):
         return [*args[:2], "--path", *args[2:]]
     if args[:2] == ["tasks", "migrate"] and len(args) > 3 and not any(a.startswith("-") for a in args[2:4]):
         return [*args[:2], "--source", args[2], "--target", args[3], *args[4:]]

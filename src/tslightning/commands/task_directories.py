@@ -1,4 +1,5 @@
-"""``tslightning tasks``: check task directories (``validate``) and rewrite Terminal-Bench 1 ones (``migrate``)."""
+"""``tslightning tasks``: check task directories (``validate``), rewrite Terminal-Bench 1 ones (``migrate``), and
+prepare the offline verifier toolchain their tests use (``toolchain``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 from tslightning.sandbox import Backend, SandboxUnavailableError
 from tslightning.tasks.migration import MigrationError, migrate_tasks
+from tslightning.tasks.offline_toolchain import fill_wheel_cache, prepare_toolchain, requirements_of
 from tslightning.tasks.rewards import RewardScheme
-from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
+from tslightning.tasks.terminal_task import find_task_dirs
+from tslightning.tasks.validation import format_table, library_dir, sandbox_factory, validate_tasks
 
 
 def tasks_validate(
@@ -72,3 +75,26 @@ def tasks_migrate(source: Path, target: Path) -> None:
         print(f"migrated {migration.source} -> {migration.target}")
         for note in migration.notes:
             print(f"  - {note}")
+
+
+def tasks_toolchain(path: Path | None = None, cache_dir: Path | None = None) -> None:
+    """Prepare the offline verifier toolchain: uv, the curl / apt-get shims, and the wheels the tasks' tests pin.
+
+    Usage: ``tslightning tasks toolchain [DIR]``. Run it once on a machine with access to PyPI (the only download):
+    afterwards the Terminal-Bench 2 template (``curl ... astral.sh/uv/.../install.sh | sh``, ``uvx -p 3.x -w
+    pytest==X pytest``) runs offline in every attempt, unedited. Exits 2 naming the problem when uv is missing or
+    pip cannot download a pin.
+
+    Args:
+        path: A task directory or a directory of them whose scripts' pins are cached (default: the shipped library).
+        cache_dir: Where the toolchain lives (default: ``$TSLIGHTNING_CACHE_DIR``, ``$XDG_CACHE_HOME/tslightning``,
+            ``/var/cache/tslightning`` for root, else ``~/.cache/tslightning``).
+    """
+    try:
+        task_dirs = find_task_dirs(library_dir() if path is None else path)
+        toolchain = prepare_toolchain(cache_dir)
+        wheels = fill_wheel_cache(toolchain, requirements_of(task_dirs))
+    except (FileNotFoundError, RuntimeError) as error:
+        print(f"tasks toolchain: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"offline toolchain ready in {toolchain.root}: uv, curl and apt-get shims, {len(wheels)} wheels")

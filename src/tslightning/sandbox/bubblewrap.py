@@ -153,6 +153,8 @@ class BubblewrapSandbox(Sandbox):
         for mount in mounts:
             bind = "--ro-bind" if mount == "tests" else "--bind"
             options += [bind, str(self.attempt.host_path(mount)), MOUNT_POINTS[mount]]
+        for inside, host in sorted(self.shared.items()):
+            options += ["--ro-bind", host, inside]
         options += _masks([_PACKAGE_DIR, *self.attempt.hidden])
         options += ["--seccomp", passed.data(syscall_filter(verifier=verifier))]
         for name in _INIT_FILES:

@@ -7,9 +7,14 @@ Every Terminal-Bench 2 ``tests/test.sh`` installs its toolchain from the interne
     source $HOME/.local/bin/env
     uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf /logs/verifier/ctrf.json /tests/... -rA
 
-The toolchain directory (``~/.cache/tslightning/toolchain/`` by default) is shown read-only at
-:data:`TOOLCHAIN_MOUNT` in every sandbox, its ``bin/`` first on ``PATH``:
+The toolchain directory (``toolchain/`` under :func:`default_cache_dir`) is shown read-only at
+:data:`TOOLCHAIN_MOUNT` in every sandbox of an attempt (:func:`attach`), its ``bin/`` first on ``PATH`` of the
+verifier's and the reference solution's commands (:func:`toolchain_env`; the agent's ``PATH`` is the image's):
 
+- ``bin/apt-get``: ``update`` does nothing (the environment's packages are fixed offline); ``install`` succeeds when
+  every named package is installed already (where no package database is shown, as on the host's system: when a
+  command of its name exists) and otherwise exits 100 naming the missing ones; anything else goes to the
+  environment's own ``apt-get``;
 - ``bin/curl`` serves the uv installer for any ``https://astral.sh/uv/<version>/install.sh`` (to stdout, or the
   ``-o`` file) and hands every other request to the environment's own curl (no curl: exit 127 saying so);
 - the installer puts ``uv`` and ``uvx`` into ``$HOME/.local/bin`` (or ``UV_INSTALL_DIR``) with the ``env`` file
@@ -20,7 +25,7 @@ The toolchain directory (``~/.cache/tslightning/toolchain/`` by default) is show
 - image builds (``TSL_TOOLCHAIN_ONLINE=1``) get the same uv with the network the build has.
 
 The wheel cache is filled at set-up time, never at run time: :func:`fill_wheel_cache` (``tslightning tasks
-toolchain --fill DIR``) downloads, with pip and its dependencies, every ``-w`` / ``--with`` / ``pip install`` pin the
+toolchain DIR``) downloads, with pip and its dependencies, every ``-w`` / ``--with`` / ``pip install`` pin the
 tasks' test scripts name, plus :data:`DEFAULT_REQUIREMENTS`.
 """
 
@@ -36,6 +41,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tslightning.sandbox import BASE_ENVIRONMENT, Sandbox
+
+DEFAULT_PATH = BASE_ENVIRONMENT["PATH"]
 TOOLCHAIN_MOUNT = "/run/tslightning/tools"
 TOOLCHAIN_BIN = f"{TOOLCHAIN_MOUNT}/bin"
 DEFAULT_REQUIREMENTS = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5")
@@ -48,7 +56,52 @@ _PIN = re.compile(
     r"['\"]?([A-Za-z0-9][A-Za-z0-9._-]*(?:\[[^\]]*\])?==[A-Za-z0-9.*+!_-]+)"
 )
 _SCRIPT_SUFFIXES = (".sh",)
+_FETCHES = (
+    re.compile(r"astral\.sh/uv[^\s|]*"),
+    re.compile(r"^[^#\n]*?(?:^|[ \t;&|(])(uvx?[ \t]+(?:tool[ \t]+run|run|pip|venv|-\S+))", re.M),
+)
 
+_APT_GET = """#!/bin/sh
+# tslightning offline toolchain: apt-get with fixed packages (update: nothing to do; install: already there?).
+sub=""; packages=""; skip=""
+for arg in "$@"; do
+    if [ -n "$skip" ]; then skip=""; continue; fi
+    case "$arg" in
+        -o|-t|-c|--option|--target-release|--config-file) skip=1 ;;
+        -*) ;;
+        *) if [ -z "$sub" ]; then sub="$arg"; else packages="$packages $arg"; fi ;;
+    esac
+done
+case "$sub" in
+    update)
+        echo "tsl-toolchain: apt-get update skipped (offline: this environment's packages are fixed)" >&2
+        exit 0 ;;
+    install)
+        missing=""
+        for package in $packages; do
+            name="${package%%=*}"
+            if [ -r /var/lib/dpkg/status ]; then
+                dpkg-query -W -f='${Status}' "$name" 2>/dev/null | grep -q "install ok installed" && continue
+            elif command -v "$name" >/dev/null 2>&1; then
+                continue  # no package database shown (the host's system): a command of that name will do
+            fi
+            missing="$missing $name"
+        done
+        if [ -z "$missing" ]; then
+            echo "tsl-toolchain: apt-get install:$packages already installed" >&2
+            exit 0
+        fi
+        echo "E: tsl-toolchain: offline, and not installed in this environment:$missing" >&2
+        exit 100 ;;
+esac
+IFS=:
+for dir in $PATH; do
+    case "$dir" in */tools/bin) continue ;; esac
+    [ -x "$dir/apt-get" ] && exec "$dir/apt-get" "$@"
+done
+echo "apt-get: not installed here" >&2
+exit 127
+"""
 _CURL = f"""#!/bin/sh
 # tslightning offline toolchain: curl serves the uv installer from the local cache; other URLs go to the real curl.
 out=""; serve=""; prev=""
@@ -94,23 +147,34 @@ fi
 export UV_PYTHON_DOWNLOADS=never UV_NO_PROGRESS=1 UV_LINK_MODE=copy
 have() {{ command -v "python$1" >/dev/null 2>&1; }}
 newest() {{ for v in 3.14 3.13 3.12 3.11 3.10 3.9; do have "$v" && {{ echo "$v"; return; }}; done; echo 3; }}
-args=()
-while [ $# -gt 0 ]; do
-    case "$1" in
-        -p|--python) want="$2"; flag="$1"; shift 2 ;;
-        --python=*) want="${{1#--python=}}"; flag="--python"; shift ;;
-        *) args+=("$1"); shift; continue ;;
-    esac
-    version="${{want#cpython}}"; version="${{version#python}}"
-    if [[ "$version" =~ ^3(\\.[0-9]+)?(\\.[0-9]+)?$ ]] && ! have "${{version%.*}}" && ! have "$version"; then
-        got="$(newest)"
-        echo "tsl-toolchain: Python $version is not installed here (no downloads); using python$got" >&2
-        want="python$got"
+# python3.X missing: the newest python3.Y instead (a Python build would be downloaded from GitHub, out of reach).
+mapped() {{
+    local version="${{1#cpython}}"; version="${{version#python}}"
+    local minor; minor="$(echo "$version" | cut -d. -f1,2)"
+    if [[ "$version" =~ ^3\\.[0-9]+(\\.[0-9]+)?$ ]] && ! have "$minor"; then
+        echo "tsl-toolchain: Python $version is not installed here (no downloads); using python$(newest)" >&2
+        echo "python$(newest)"
+    else
+        echo "$1"
     fi
-    args+=("$flag" "$want")
+}}
+value_flags=" -w --with --from --with-requirements --with-editable -i --index-url --extra-index-url -f --find-links "
+value_flags+=" --directory --project --cache-dir --constraints -c --overrides "
+subcommands=" run tool venv pip install sync add compile "
+args=(); rest=""
+while [ $# -gt 0 ]; do
+    arg="$1"; shift
+    if [ -n "$rest" ]; then args+=("$arg"); continue; fi
+    case "$arg" in
+        --) args+=("$arg"); rest=1 ;;
+        -p|--python) args+=("$arg" "$(mapped "$1")"); shift ;;
+        --python=*) args+=("--python" "$(mapped "${{arg#--python=}}")") ;;
+        -*) args+=("$arg")
+            if [[ "$value_flags" == *" $arg "* ]] && [ $# -gt 0 ]; then args+=("$1"); shift; fi ;;
+        *) args+=("$arg"); [[ "$subcommands" == *" $arg "* ]] || rest=1 ;;
+    esac
 done
-name="$(basename "$0")"
-if [ "$name" = uvx ]; then exec {TOOLCHAIN_MOUNT}/uv/uv tool run "${{args[@]}}"; fi
+if [ "$(basename "$0")" = uvx ]; then exec {TOOLCHAIN_MOUNT}/uv/uv tool run "${{args[@]}}"; fi
 exec {TOOLCHAIN_MOUNT}/uv/uv "${{args[@]}}"
 """
 
@@ -130,9 +194,50 @@ class Toolchain:
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tslightning`` (``~/.cache/tslightning``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tslightning"
+    """Where tslightning caches toolchains and built environments: ``$TSLIGHTNING_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/tslightning``, else ``/var/cache/tslightning`` for root (whose home the sandbox's unprivileged
+    uid cannot enter), else ``~/.cache/tslightning``."""
+    if os.environ.get("TSLIGHTNING_CACHE_DIR"):
+        return Path(os.environ["TSLIGHTNING_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "tslightning"
+    if os.geteuid() == 0:
+        return Path("/var/cache/tslightning")
+    return Path(os.path.expanduser("~")) / ".cache" / "tslightning"
+
+
+def find_toolchain(cache_dir: Path | None = None) -> Toolchain | None:
+    """The toolchain prepared under ``cache_dir`` (default :func:`default_cache_dir`) with a filled wheel cache, or
+    ``None`` (nothing is written)."""
+    root = (cache_dir or default_cache_dir()) / "toolchain"
+    toolchain = Toolchain(root)
+    ready = (root / "uv" / "uv").is_file() and (root / "bin" / "apt-get").is_file() and toolchain.wheel_names()
+    return toolchain if ready else None
+
+
+def attach(sandbox: Sandbox, toolchain: Toolchain) -> None:
+    """Show ``toolchain`` read-only at :data:`TOOLCHAIN_MOUNT` in ``sandbox``'s commands."""
+    sandbox.share(toolchain.root, TOOLCHAIN_MOUNT)
+
+
+def toolchain_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the toolchain's ``bin/`` first on ``PATH`` when ``sandbox`` shows the toolchain."""
+    if TOOLCHAIN_MOUNT not in sandbox.shared:
+        return env
+    return {**env, "PATH": f"{TOOLCHAIN_BIN}:{env.get('PATH', DEFAULT_PATH)}"}
+
+
+def fetches_toolchain(script: Path) -> str | None:
+    """What in ``script`` (a verifier's ``test.sh``) downloads its toolchain from the internet (the uv installer, a
+    ``uvx`` / ``uv`` run), else ``None``."""
+    if not script.is_file():
+        return None
+    text = script.read_text(encoding="utf-8", errors="replace")
+    for pattern in _FETCHES:
+        match = pattern.search(text)
+        if match:
+            return match.group(match.lastindex or 0).strip()
+    return None
 
 
 def prepare_toolchain(cache_dir: Path | None = None) -> Toolchain:
@@ -149,6 +254,7 @@ def prepare_toolchain(cache_dir: Path | None = None) -> Toolchain:
     (root / "uv").mkdir(exist_ok=True)
     (root / "wheels").mkdir(exist_ok=True)
     _replace(root / "bin" / "curl", _CURL.encode(), 0o755)
+    _replace(root / "bin" / "apt-get", _APT_GET.encode(), 0o755)
     _replace(root / "uv-install.sh", _INSTALLER.encode(), 0o755)
     _replace(root / "uv" / "wrapper", _WRAPPER.encode(), 0o755)
     target = root / "uv" / "uv"
@@ -176,6 +282,8 @@ def fill_wheel_cache(toolchain: Toolchain, requirements: Iterable[str], timeout_
         RuntimeError: pip failed (its output's tail is in the message).
     """
     requirements = list(requirements)
+    if all(_cached(requirement, toolchain) for requirement in requirements):
+        return toolchain.wheel_names()  # nothing to download (dependencies came with the first fill)
     for version in TARGET_PYTHONS:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest"]
         command += [str(toolchain.wheels), "--python-version", version, "--implementation", "cp"]
@@ -184,6 +292,16 @@ def fill_wheel_cache(toolchain: Toolchain, requirements: Iterable[str], timeout_
         if done.returncode != 0:
             raise RuntimeError(f"pip download {' '.join(requirements)} failed: {done.stderr.strip()[-1500:]}")
     return toolchain.wheel_names()
+
+
+def _cached(requirement: str, toolchain: Toolchain) -> bool:
+    """Whether a wheel of ``name==version`` is in the cache already (names compared as pip normalises them)."""
+    name, _, version = requirement.partition("==")
+    name = re.sub(r"[-_.]+", "_", name.split("[")[0]).lower()
+    return any(
+        re.sub(r"[-_.]+", "_", wheel.split("-")[0]).lower() == name and wheel.split("-")[1] == version
+        for wheel in toolchain.wheel_names()
+    )
 
 
 def _uv_binary() -> Path:

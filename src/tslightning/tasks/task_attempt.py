@@ -13,8 +13,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
 from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
+from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
 from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import AGENT_COMMAND_TIMEOUT_S, TerminalTask
@@ -40,6 +42,9 @@ class TerminalTaskAttempt:
         make_attempt_sandbox: Makes the attempt's sandbox (default: bubblewrap).
         command_timeout_s: Wall-clock limit of one agent command (Table 6: 120 s).
         reward_key: The named reward of ``reward.json`` read as the pass fraction (default ``reward``).
+        toolchain: The offline verifier toolchain shown to the attempt's commands (``"auto"``: the prepared one in
+            the cache directory, if any; :mod:`~tslightning.tasks.offline_toolchain`); not shown by backends that
+            cannot share a directory.
     """
 
     def __init__(
@@ -49,6 +54,7 @@ class TerminalTaskAttempt:
         make_attempt_sandbox: SandboxFactory | None = None,
         command_timeout_s: float = AGENT_COMMAND_TIMEOUT_S,
         reward_key: str = DEFAULT_REWARD_KEY,
+        toolchain: Toolchain | Literal["auto"] | None = "auto",
     ) -> None:
         self.task = task
         self.scheme = scheme
@@ -56,6 +62,9 @@ class TerminalTaskAttempt:
         self.attempt = task.open_attempt()
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
+            self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
+            if self.toolchain is not None and self.sandbox.can_share:
+                attach(self.sandbox, self.toolchain)
         except BaseException:
             self.attempt.close()
             raise

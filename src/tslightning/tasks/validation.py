@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tslightning.sandbox import CommandResult
+from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
 from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.task_steps import run_steps
@@ -128,9 +129,17 @@ def unmet_needs(task: TerminalTask) -> tuple[str, tuple[str, ...]] | None:
     """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
 
     A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
-    the Dockerfile needs the build).
+    the Dockerfile needs the build). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs
+    the network unless the offline toolchain is prepared (``tslightning tasks toolchain``).
     """
     needs = task.needs
+    fetch = fetches_toolchain(task.test_script) if find_toolchain() is None else None
+    if needs.status == "host" and fetch is not None:
+        reason = (
+            f"tests/test.sh downloads its toolchain ({fetch}) and the offline toolchain is not prepared: run "
+            f"`tslightning tasks toolchain {task.root.parent}` once (it fills {default_cache_dir()})"
+        )
+        return "needs network at build", (reason,)
     if needs.status == "host":
         return None
     if needs.status == "build":

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tslightning.sandbox import CommandResult, Sandbox
 from tslightning.sandbox.file_tree import remove_tree
+from tslightning.tasks.offline_toolchain import toolchain_env
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardReading, RewardScheme, read_reward_files
 from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import TerminalTask
@@ -105,7 +106,7 @@ def run_verifier(
         VERIFIER_COMMAND,
         limits=task.sandbox_limits(settings.timeout_sec),
         mounts=("app", "tests", "logs"),
-        env={**task.command_env, **settings.env} or None,
+        env=toolchain_env(sandbox, {**task.command_env, **settings.env}),
         verifier=True,
     )
     return score_verifier_run(result, read_reward_files(attempt.logs, reward_key), settings.timeout_sec, scheme)
@@ -130,7 +131,7 @@ def run_reference_solution(
         ORACLE_COMMAND,
         limits=task.sandbox_limits(timeout),
         mounts=("app", "oracle"),
-        env={**task.command_env, **task.solution_env} or None,
+        env=toolchain_env(sandbox, {**task.command_env, **task.solution_env}),
     )
 
 
