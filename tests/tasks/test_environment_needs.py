@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tslightning.tasks import validation
 from tslightning.tasks.environment_needs import base_of, environment_needs
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask
 from tslightning.tasks.validation import library_dir, unmet_needs
@@ -109,13 +110,17 @@ def _task(tmp_path: Path, dockerfile: str, toml: str = "") -> Path:
     return root
 
 
-def test_tasks_carry_their_needs_and_image_env(tmp_path):
+def test_tasks_carry_their_needs_and_image_env(tmp_path, monkeypatch):
+    monkeypatch.setattr(validation, "builder_problem", lambda: "image-lite builds need mmdebstrap")
     toml = '[environment]\nenv = { LEVEL = "9" }\n'
     task = TerminalTask.load(_task(tmp_path, "FROM debian\nWORKDIR /app\nENV LEVEL=1 NAME=x\n", toml))
     assert task.command_env == {"LEVEL": "9", "NAME": "x"} and task.workdir == "/app" and unmet_needs(task) is None
     moved = TerminalTask.load(_task(tmp_path / "w", "FROM debian\n", '[environment]\nworkdir = "/srv"\n'))
     status, reasons = unmet_needs(moved)
     assert status == "needs image" and "[environment] workdir /srv" in reasons[0]
+    assert "and image-lite builds need mmdebstrap" in reasons[0]
+    monkeypatch.setattr(validation, "builder_problem", lambda: None)
+    assert unmet_needs(moved) is None  # built as image-lite where the builder runs
 
 
 def test_an_unreadable_dockerfile_names_its_line(tmp_path):

@@ -70,6 +70,9 @@ class Sandbox(ABC):
             raise ValueError(f"shared directory {os.fspath(host_dir)!r} is not a directory")
         self.shared[inside] = os.path.realpath(host_dir)
 
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing between commands
+        """Release what the sandbox holds beyond single commands (a live environment); idempotent."""
+
     def run(
         self,
         command: str,

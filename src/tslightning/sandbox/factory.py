@@ -9,13 +9,18 @@ from tslightning.sandbox.base import Sandbox
 from tslightning.sandbox.bubblewrap import BubblewrapSandbox
 from tslightning.sandbox.docker import DockerSandbox
 from tslightning.sandbox.limits import SandboxLimits
+from tslightning.sandbox.live_environment import LiveBubblewrapSandbox
 from tslightning.sandbox.plain_subprocess import SubprocessSandbox
 
 Backend = Literal["bubblewrap", "docker", "subprocess"]
 
 
 def make_sandbox(
-    backend: Backend = "bubblewrap", *, attempt: AttemptDirectory, limits: SandboxLimits | None = None
+    backend: Backend = "bubblewrap",
+    *,
+    attempt: AttemptDirectory,
+    limits: SandboxLimits | None = None,
+    live: bool = False,
 ) -> Sandbox:
     """The sandbox of ``attempt`` for the configured ``sandbox.backend``.
 
@@ -24,6 +29,9 @@ def make_sandbox(
             ``"subprocess"`` (no isolation; warns).
         attempt: the attempt whose directories the commands see.
         limits: the default limits of every ``run``.
+        live: one live environment for the attempt's agent commands, where the backend has one
+            (``bubblewrap``: :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`); otherwise each
+            command runs in a fresh one.
 
     Raises:
         ValueError: ``backend`` is not one of the names above.
@@ -31,7 +39,7 @@ def make_sandbox(
             and the fix (e.g. ``apt-get install bubblewrap``).
     """
     if backend == "bubblewrap":
-        return BubblewrapSandbox(attempt, limits=limits)
+        return (LiveBubblewrapSandbox if live else BubblewrapSandbox)(attempt, limits=limits)
     if backend == "docker":
         return DockerSandbox(attempt, limits=limits)
     if backend == "subprocess":

@@ -16,6 +16,8 @@ from types import TracebackType
 from typing import Literal
 
 from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
+from tslightning.tasks.image_attempt import enter_image, image_for
+from tslightning.tasks.image_lite import ImageLite
 from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
 from tslightning.tasks.task_config import VerifierSettings
@@ -29,8 +31,9 @@ APP = "/app"
 
 
 def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
-    """A :data:`SandboxFactory` for a ``sandbox.backend`` name."""
-    return lambda attempt: make_sandbox(backend, attempt=attempt)
+    """A :data:`SandboxFactory` for a ``sandbox.backend`` name: one live environment per attempt where the backend
+    has one (every agent command in the same sandbox; what it leaves running stays until the verifier runs)."""
+    return lambda attempt: make_sandbox(backend, attempt=attempt, live=True)
 
 
 class TerminalTaskAttempt:
@@ -45,6 +48,11 @@ class TerminalTaskAttempt:
         toolchain: The offline verifier toolchain shown to the attempt's commands (``"auto"``: the prepared one in
             the cache directory, if any; :mod:`~tslightning.tasks.offline_toolchain`); not shown by backends that
             cannot share a directory.
+        image: The task's image-lite environment (``"auto"``: built, or found in the cache, when the task's
+            environment needs a build; :mod:`~tslightning.tasks.image_attempt`), or ``None`` for the host's system.
+
+    Raises:
+        ImageBuildError: the task's image could not be built.
     """
 
     def __init__(
@@ -55,17 +63,23 @@ class TerminalTaskAttempt:
         command_timeout_s: float = AGENT_COMMAND_TIMEOUT_S,
         reward_key: str = DEFAULT_REWARD_KEY,
         toolchain: Toolchain | Literal["auto"] | None = "auto",
+        image: ImageLite | Literal["auto"] | None = "auto",
     ) -> None:
         self.task = task
         self.scheme = scheme
         self.reward_key = reward_key
-        self.attempt = task.open_attempt()
+        self.image = image_for(task, image)
+        self.attempt = task.open_attempt(seed_app=self.image is None)
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
+            if self.image is not None:
+                enter_image(self.image, task, self.attempt, self.sandbox)
             self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
             if self.toolchain is not None and self.sandbox.can_share:
                 attach(self.sandbox, self.toolchain)
         except BaseException:
+            if hasattr(self, "sandbox"):
+                self.sandbox.close()
             self.attempt.close()
             raise
         self.command_timeout_s = command_timeout_s
@@ -106,7 +120,11 @@ class TerminalTaskAttempt:
         return self.verification.reward
 
     def close(self) -> None:
-        self.attempt.close()
+        """End the attempt's environment (every process in it) and remove its directory."""
+        try:
+            self.sandbox.close()
+        finally:
+            self.attempt.close()
 
     def __enter__(self) -> TerminalTaskAttempt:
         return self

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tslightning.sandbox import CommandResult
+from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
 from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
 from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
@@ -111,8 +112,16 @@ def validate_task(
     unmet = unmet_needs(task)
     if unmet is not None:
         return TaskValidation(task.name, task.root, problems=unmet[1], needs=unmet[0])
+    image, build_s = None, None
+    if task.needs.status == "build":
+        started = time.perf_counter()
+        try:
+            image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+        except ImageBuildError as error:
+            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",))
+        build_s = image.build_s if image.build_s else time.perf_counter() - started
     (noop, noop_setup), (reference, reference_setup) = (
-        _attempt(task, factory, scheme, reward_key, run_solution=solution) for solution in (False, True)
+        _attempt(task, factory, scheme, reward_key, solution, image) for solution in (False, True)
     )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
     return TaskValidation(
@@ -121,6 +130,7 @@ def validate_task(
         noop=noop,
         reference=reference,
         problems=tuple(problems),
+        build_s=build_s,
         setup_s=(noop_setup + reference_setup) / 2,
     )
 
@@ -143,7 +153,10 @@ def unmet_needs(task: TerminalTask) -> tuple[str, tuple[str, ...]] | None:
     if needs.status == "host":
         return None
     if needs.status == "build":
-        reasons = tuple(f"needs a build of its image, which this sandbox cannot make: {r}" for r in needs.reasons)
+        problem = builder_problem()
+        if problem is None:
+            return None
+        reasons = tuple(f"needs a build of its image ({r}), and {problem}" for r in needs.reasons)
         return "needs image", reasons
     return needs.status, needs.reasons
 
@@ -191,11 +204,16 @@ def format_table(results: Sequence[TaskValidation]) -> str:
 
 
 def _attempt(
-    task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, reward_key: str, run_solution: bool
+    task: TerminalTask,
+    factory: SandboxFactory,
+    scheme: RewardScheme,
+    reward_key: str,
+    run_solution: bool,
+    image: ImageLite | None,
 ) -> tuple[VerifierResult, float]:
     """The verdict of one attempt, and its set-up seconds."""
     started = time.perf_counter()
-    with TerminalTaskAttempt(task, scheme, factory, reward_key=reward_key) as attempt:
+    with TerminalTaskAttempt(task, scheme, factory, reward_key=reward_key, image=image) as attempt:
         setup_s = time.perf_counter() - started
         if task.multi_step:
             return _steps_attempt(attempt, run_solution), setup_s

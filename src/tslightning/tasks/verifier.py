@@ -1,9 +1,11 @@
 """Run a task's verifier on an attempt and turn its reward file into the trajectory's reward.
 
 The verifier runs after the agent is done, in the same attempt directory: ``tests/`` is copied in only now (the
-agent never sees it), ``bash /tests/test.sh`` runs with ``/app``, ``/tests`` and ``/logs/verifier`` visible and the
-task's ``[verifier] timeout_sec``, and the reward files it leaves in ``/logs/verifier`` are read
-(:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable reward file, scores 0 with a reason.
+agent never sees it), ``bash /tests/test.sh`` runs in the task's working directory with ``/app``, ``/tests`` and
+``/logs/verifier`` visible and the task's ``[verifier] timeout_sec``, and the reward files it leaves in
+``/logs/verifier`` are read (:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable
+reward file, scores 0 with a reason. In a live environment the verifier runs after it ended: nothing the agent left
+running survives into the verifier's run.
 
 **Reward integrity.** A verifier may execute files the agent wrote (``python3 /app/stats.py``), as the same user, so
 code the agent wrote runs beside the verifier. Layer by layer, what keeps it from changing the reported reward:
@@ -106,6 +108,7 @@ def run_verifier(
         VERIFIER_COMMAND,
         limits=task.sandbox_limits(settings.timeout_sec),
         mounts=("app", "tests", "logs"),
+        cwd=task.workdir,
         env=toolchain_env(sandbox, {**task.command_env, **settings.env}),
         verifier=True,
     )
@@ -125,12 +128,13 @@ def run_reference_solution(
     """
     if solution_dir is None and task.solution_script is None:
         raise FileNotFoundError(f"task {task.name!r} has no solution/solve.sh")
-    _fresh_copy(solution_dir or task.solution_dir, sandbox.attempt.oracle)
+    _refill(solution_dir or task.solution_dir, sandbox.attempt.oracle)
     timeout = timeout_s or (task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S)
     return sandbox.run(
         ORACLE_COMMAND,
         limits=task.sandbox_limits(timeout),
         mounts=("app", "oracle"),
+        cwd=task.workdir,
         env=toolchain_env(sandbox, {**task.command_env, **task.solution_env}),
     )
 
@@ -165,6 +169,17 @@ def _refusal(result: CommandResult, reading: RewardReading, timeout_s: float) ->
             f"commands ({names}) had been killed, so one of them may have written it"
         )
     return None
+
+
+def _refill(source: Path, target: Path) -> None:
+    """Replace ``target``'s contents with a copy of ``source``'s, keeping the directory itself (a live environment
+    shows it through a bind mount made when it started)."""
+    for child in list(target.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            remove_tree(child)
+        else:
+            child.unlink()
+    shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
 
 
 def _fresh_copy(source: Path | None, target: Path) -> None:
