@@ -69,3 +69,13 @@ def test_closing_ends_every_process(live):
     live.close()
     assert keeper.poll() is not None and not live.live
     live.close()  # idempotent
+
+
+def test_the_network_is_the_hosts_only_where_allowed(live):
+    listener = "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print('bound')\""
+    interfaces = 'python3 -c "import socket; print(sorted(n for _, n in socket.if_nameindex()))"'
+    assert live.run(interfaces).output == "['lo']\n"  # its own loopback only
+    live.end()
+    live.agent_network = True
+    assert live.run(interfaces).output != "['lo']\n" and live.run(listener).output == "bound\n"
+    assert live.run(interfaces, mounts=("app", "tests", "logs"), verifier=True).output == "['lo']\n"

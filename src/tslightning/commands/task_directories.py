@@ -20,6 +20,7 @@ def tasks_validate(
     scheme: RewardScheme = "seta",
     workers: int = 2,
     reward_key: str = "reward",
+    allow_internet: bool = False,
 ) -> None:
     """Check terminal tasks: the reference solution passes and the no-op agent does not (App. C.2).
 
@@ -35,10 +36,17 @@ def tasks_validate(
         scheme: Reward scheme of the reported rewards (``seta``: p + 0.5·1[p = 1]; ``binary``).
         workers: Tasks validated at once.
         reward_key: The named reward of a verifier's ``reward.json`` read as the pass fraction.
+        allow_internet: Let tasks whose ``[environment]`` allows the internet reach it (default: all offline).
     """
     try:
         results = validate_tasks(
-            path, scheme=scheme, workers=workers, make_attempt_sandbox=sandbox_factory(backend), reward_key=reward_key
+            path,
+            scheme=scheme,
+            workers=workers,
+            make_attempt_sandbox=sandbox_factory(backend),
+            reward_key=reward_key,
+            allow_internet=allow_internet,
+            containers=backend in ("docker", "podman"),
         )
     except (FileNotFoundError, SandboxUnavailableError) as error:
         print(f"tasks validate: {error}", file=sys.stderr)

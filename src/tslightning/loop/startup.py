@@ -24,6 +24,7 @@ from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.tasks.demonstrations import task_demonstrations
+from tslightning.tasks.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
 from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
@@ -91,6 +92,10 @@ def select_tasks(rollout: RolloutSettings) -> TaskSelection:
                 f"rollout.tasks: task {task.name!r} {unmet[0]}: {'; '.join(unmet[1])} (leave it out with "
                 "rollout.task_names; `tslightning tasks validate` lists what each task needs)"
             )
+            continue
+        problem = _build_image(task)
+        if problem is not None:
+            selection.problems.append(problem)
             continue
         selection.tasks.append(task)
     if rollout.split != "all" and 0 <= rollout.dev_fraction <= 1:  # out of range: RolloutSettings.problems says so
@@ -291,10 +296,23 @@ def rollout_datamodule(
     )
 
 
+def _build_image(task: TerminalTask) -> str | None:
+    """Build (or find in the cache) the image-lite environment of a task that needs one, before any rollout."""
+    if task.needs.status != "build":
+        return None
+    try:
+        build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+    except ImageBuildError as error:
+        return f"rollout.tasks: task {task.name!r}: its image did not build: environment/{error}"
+    return None
+
+
 def attempt_factory(rollout: RolloutSettings):
     if rollout.environment == "simulated_tool":
         return SimulatedToolEnvironment(rollout.simulated_tool)
-    return lambda task: TerminalTaskAttempt(task, rollout.reward_scheme, reward_key=rollout.reward_key)
+    return lambda task: TerminalTaskAttempt(
+        task, rollout.reward_scheme, reward_key=rollout.reward_key, allow_internet=rollout.allow_internet
+    )
 
 
 def demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):

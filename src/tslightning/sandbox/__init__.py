@@ -16,6 +16,7 @@ Layer: at the bottom; imports nothing else of tslightning.
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
 from tslightning.sandbox.base import BASE_ENVIRONMENT, Sandbox
 from tslightning.sandbox.bubblewrap import BubblewrapSandbox
+from tslightning.sandbox.container import ContainerSandbox
 from tslightning.sandbox.docker import DockerSandbox
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.factory import Backend, make_sandbox
@@ -32,6 +33,7 @@ __all__ = [
     "Backend",
     "BubblewrapSandbox",
     "CommandResult",
+    "ContainerSandbox",
     "DockerSandbox",
     "LimitName",
     "LiveBubblewrapSandbox",

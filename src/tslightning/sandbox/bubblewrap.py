@@ -105,7 +105,16 @@ class BubblewrapSandbox(Sandbox):
         self._bwrap = bwrap
         self._host_uid = unprivileged_uid if os.geteuid() == 0 else None
         self.root: RootFilesystem | None = None
+        self.agent_network = False
+        """Agent commands share the host's network (a task that allows the internet, where the trainer allows)."""
+        self.verifier_network = False
+        """Verifier runs share the host's network."""
         _check_namespaces(bwrap, self._host_uid)
+
+    def network_for(self, verifier: bool) -> bool:
+        """Whether the agent's (or the verifier's) commands share the host's network (:attr:`agent_network`,
+        :attr:`verifier_network`; default: neither, their own loopback only)."""
+        return self.verifier_network if verifier else self.agent_network
 
     @property
     def interpreter(self) -> str:
@@ -172,10 +181,15 @@ class BubblewrapSandbox(Sandbox):
         passed: _Descriptors,
     ) -> list[str]:
         """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
+        namespaces = list(_NAMESPACE_ARGS)
+        if self.network_for(verifier):
+            namespaces.remove("--unshare-net")
         if self.root is not None:  # the init's files go on a tmpfs: a read-only root cannot hold new files
-            options = [*_NAMESPACE_ARGS, "--as-pid-1", *self.root.binds(), "--tmpfs", RUN_DIR]
+            options = [*namespaces, "--as-pid-1", *self.root.binds(), "--tmpfs", RUN_DIR]
+            if self.network_for(verifier) and os.path.exists("/etc/resolv.conf"):
+                options += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
         else:
-            options = [*_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
+            options = [*namespaces, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
         options += _private_dirs(min(limits.tmp_bytes, limits.disk_bytes))
         for mount in mounts:
             bind = "--ro-bind" if mount in self.read_only_mounts else "--bind"

@@ -15,7 +15,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
-from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
+from tslightning.sandbox import (
+    AttemptDirectory,
+    Backend,
+    BubblewrapSandbox,
+    CommandResult,
+    ContainerSandbox,
+    Sandbox,
+    make_sandbox,
+)
+from tslightning.tasks.container_image import prepare_container
 from tslightning.tasks.image_attempt import enter_image, image_for
 from tslightning.tasks.image_lite import ImageLite
 from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
@@ -50,6 +59,9 @@ class TerminalTaskAttempt:
             cannot share a directory.
         image: The task's image-lite environment (``"auto"``: built, or found in the cache, when the task's
             environment needs a build; :mod:`~tslightning.tasks.image_attempt`), or ``None`` for the host's system.
+        allow_internet: The trainer lets tasks reach the internet: a task whose ``[environment]`` allows it
+            (``allow_internet``, ``network_mode = "public"``) gets the host's network for its agent's commands and
+            its verifier (bubblewrap). Default: every command offline, whatever the task says.
 
     Raises:
         ImageBuildError: the task's image could not be built.
@@ -64,16 +76,25 @@ class TerminalTaskAttempt:
         reward_key: str = DEFAULT_REWARD_KEY,
         toolchain: Toolchain | Literal["auto"] | None = "auto",
         image: ImageLite | Literal["auto"] | None = "auto",
+        allow_internet: bool = False,
     ) -> None:
         self.task = task
         self.scheme = scheme
         self.reward_key = reward_key
-        self.image = image_for(task, image)
-        self.attempt = task.open_attempt(seed_app=self.image is None)
+        self.image: ImageLite | None = None
+        self.attempt = task.open_attempt(seed_app=False)
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
-            if self.image is not None:
-                enter_image(self.image, task, self.attempt, self.sandbox)
+            if isinstance(self.sandbox, ContainerSandbox):  # the task's own image, its /app as built
+                prepare_container(task, self.sandbox, allow_internet)
+            else:
+                self.image = image_for(task, image)
+                if self.image is None:
+                    task.seed_app(self.attempt)
+                else:
+                    enter_image(self.image, task, self.attempt, self.sandbox)
+            if allow_internet and task.environment.network == "public" and isinstance(self.sandbox, BubblewrapSandbox):
+                self.sandbox.agent_network = self.sandbox.verifier_network = True
             self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
             if self.toolchain is not None and self.sandbox.can_share:
                 attach(self.sandbox, self.toolchain)
@@ -108,6 +129,9 @@ class TerminalTaskAttempt:
         Raises:
             ValueError: ``target`` is not under ``/app`` (the only place this sandbox can write).
         """
+        if isinstance(self.sandbox, ContainerSandbox):
+            self.sandbox.copy_into(str(source), target)
+            return
         relative = posixpath.relpath(posixpath.normpath(target), APP)
         if relative.startswith(".."):
             raise ValueError(f"cannot place files at {target}: this environment shows only {APP}")

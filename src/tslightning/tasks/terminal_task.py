@@ -248,14 +248,19 @@ class TerminalTask:
         manager); the task's own directory is hidden from its commands wherever the sandbox would show it."""
         attempt = AttemptDirectory(parent=parent, hidden=(self.root,))
         try:
-            for source, relative in self.app_files() if seed_app else ():
-                target = attempt.app / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, target, follow_symlinks=False)
+            if seed_app:
+                self.seed_app(attempt)
         except BaseException:
             attempt.close()
             raise
         return attempt
+
+    def seed_app(self, attempt: AttemptDirectory) -> None:
+        """Copy :meth:`app_files` into ``attempt``'s ``app/`` (the host's system standing in for the image)."""
+        for source, relative in self.app_files():
+            target = attempt.app / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target, follow_symlinks=False)
 
     def sandbox_limits(self, timeout_s: float) -> SandboxLimits:
         """The task's ``[environment]`` resources as sandbox limits for a command of ``timeout_s``.

@@ -92,6 +92,8 @@ def validate_task(
     scheme: RewardScheme = "seta",
     make_attempt_sandbox: SandboxFactory | None = None,
     reward_key: str = DEFAULT_REWARD_KEY,
+    allow_internet: bool = False,
+    containers: bool = False,
 ) -> TaskValidation:
     """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt (a
     multi-step task: through all its steps, the reference running each step's solution).
@@ -101,6 +103,8 @@ def validate_task(
         scheme: Reward scheme the verdicts are reported in.
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
         reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        allow_internet: Let a task that allows the internet reach it (see ``TerminalTaskAttempt``).
+        containers: The attempts run in a container engine (which builds or pulls the images itself).
     """
     factory = make_attempt_sandbox or sandbox_factory()
     try:
@@ -109,11 +113,11 @@ def validate_task(
         return TaskValidation(task=Path(task_dir).name, path=Path(task_dir), problems=tuple(error.problems))
     if task.solution_script is None:
         return TaskValidation(task.name, task.root, problems=("no solution/solve.sh to validate against",))
-    unmet = unmet_needs(task)
+    unmet = unmet_needs(task, containers)
     if unmet is not None:
         return TaskValidation(task.name, task.root, problems=unmet[1], needs=unmet[0])
     image, build_s = None, None
-    if task.needs.status == "build":
+    if task.needs.status == "build" and not containers:
         started = time.perf_counter()
         try:
             image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
@@ -121,7 +125,7 @@ def validate_task(
             return TaskValidation(task.name, task.root, problems=(f"environment/{error}",))
         build_s = image.build_s if image.build_s else time.perf_counter() - started
     (noop, noop_setup), (reference, reference_setup) = (
-        _attempt(task, factory, scheme, reward_key, solution, image) for solution in (False, True)
+        _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
     )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
     return TaskValidation(
@@ -135,14 +139,20 @@ def validate_task(
     )
 
 
-def unmet_needs(task: TerminalTask) -> tuple[str, tuple[str, ...]] | None:
+def unmet_needs(task: TerminalTask, containers: bool = False) -> tuple[str, tuple[str, ...]] | None:
     """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
 
     A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
     the Dockerfile needs the build). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs
-    the network unless the offline toolchain is prepared (``tslightning tasks toolchain``).
+    the network unless the offline toolchain is prepared (``tslightning tasks toolchain``). With ``containers`` (the
+    docker and podman backends) the engine builds or pulls every image; helper containers stay refused (compose is
+    not run).
     """
     needs = task.needs
+    if containers:
+        if needs.status != "needs helper container":
+            return None
+        return needs.status, (*needs.reasons, "compose is not run by the container backends; leave the task out")
     fetch = fetches_toolchain(task.test_script) if find_toolchain() is None else None
     if needs.status == "host" and fetch is not None:
         reason = (
@@ -167,6 +177,8 @@ def validate_tasks(
     workers: int = 2,
     make_attempt_sandbox: SandboxFactory | None = None,
     reward_key: str = DEFAULT_REWARD_KEY,
+    allow_internet: bool = False,
+    containers: bool = False,
 ) -> list[TaskValidation]:
     """Validate every task under ``path`` (a task directory or a directory of them; default: the shipped library).
 
@@ -178,7 +190,12 @@ def validate_tasks(
         raise FileNotFoundError(f"no task directories (with a task.toml) under {path}")
     factory = make_attempt_sandbox or sandbox_factory()
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda task_dir: validate_task(task_dir, scheme, factory, reward_key), task_dirs))
+        return list(
+            pool.map(
+                lambda task_dir: validate_task(task_dir, scheme, factory, reward_key, allow_internet, containers),
+                task_dirs,
+            )
+        )
 
 
 def format_table(results: Sequence[TaskValidation]) -> str:
@@ -210,10 +227,13 @@ def _attempt(
     reward_key: str,
     run_solution: bool,
     image: ImageLite | None,
+    allow_internet: bool,
 ) -> tuple[VerifierResult, float]:
     """The verdict of one attempt, and its set-up seconds."""
     started = time.perf_counter()
-    with TerminalTaskAttempt(task, scheme, factory, reward_key=reward_key, image=image) as attempt:
+    with TerminalTaskAttempt(
+        task, scheme, factory, reward_key=reward_key, image=image, allow_internet=allow_internet
+    ) as attempt:
         setup_s = time.perf_counter() - started
         if task.multi_step:
             return _steps_attempt(attempt, run_solution), setup_s
