@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tslightning.sandbox import AttemptDirectory, BubblewrapSandbox, SandboxLimits
+from tslightning.tasks.migration import migrate_tasks
 from tslightning.tasks.offline_toolchain import (
     TOOLCHAIN_BIN,
     attach,
@@ -27,6 +28,7 @@ from tslightning.tasks.validation import unmet_needs, validate_task
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_tasks"
 TB2 = FIXTURES / "tb2-uvx-template"
+TB1 = Path(__file__).resolve().parents[1] / "fixtures" / "terminal_bench_1" / "word-count"
 CACHE = Path(tempfile.gettempdir()) / "tslightning-test-cache"
 
 
@@ -52,6 +54,7 @@ def test_without_the_toolchain_the_task_needs_the_network(tmp_path, monkeypatch)
     assert find_toolchain() is None
     status, (reason,) = unmet_needs(TerminalTask.load(TB2))
     assert status == "needs network at build" and "tslightning tasks toolchain" in reason
+    assert "astral.sh/uv/0.9.5/install.sh" in reason
     result = validate_task(TB2)
     assert result.status == "needs network at build" and result.reference is None  # never "scored 0"
 
@@ -63,6 +66,19 @@ def test_the_unedited_template_validates_offline(toolchain_cache, monkeypatch):
     output = result.reference.output
     assert "2 passed" in output and "pytest-8.4.1" in output and "plugins: json-ctrf-0.3.5" in output
     assert "2 failed" in result.noop.output
+
+
+def test_a_migrated_terminal_bench_1_task_validates_offline(toolchain_cache, tmp_path, monkeypatch):
+    migrate_tasks(TB1, tmp_path / "migrated")
+    migrated = tmp_path / "migrated" / TB1.name
+    assert fetches_toolchain(migrated / "tests") == "astral.sh/uv/0.7.13/install.sh"  # in the harness's helper
+    assert requirements_of([migrated]) == ["pytest-json-ctrf==0.3.5", "pytest==8.4.1"]
+    monkeypatch.setenv("TSLIGHTNING_CACHE_DIR", str(tmp_path / "empty"))
+    assert validate_task(migrated).status == "needs network at build"
+    monkeypatch.setenv("TSLIGHTNING_CACHE_DIR", str(toolchain_cache))
+    result = validate_task(migrated)
+    assert result.status == "valid", result.problems
+    assert result.reference.reading.tests_passed == result.reference.reading.tests_total == 3
 
 
 def test_the_shims(toolchain_cache):

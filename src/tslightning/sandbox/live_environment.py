@@ -115,12 +115,24 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                 command, limits=limits, mounts=mounts, cwd=cwd, env=env, ready_fd=ready_fd, verifier=verifier
             )
         with self._lock:
-            if self._host_uid is not None:
-                _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid)
-            _unlock_mount_points(self.attempt, LIVE_MOUNTS)
-            if not self.live:
-                self._start(limits)
+            self._ensure_live(limits)
             return self._request(command, limits, cwd, env, ready_fd)
+
+    def start(self, limits: SandboxLimits | None = None) -> None:
+        """Start the environment now (and its start-up command) rather than at the first command; idempotent.
+
+        Raises:
+            SandboxError: it did not start (bwrap's or pid 1's message included).
+        """
+        with self._lock:
+            self._ensure_live(limits or self.limits)
+
+    def _ensure_live(self, limits: SandboxLimits) -> None:
+        if self._host_uid is not None:
+            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid)
+        _unlock_mount_points(self.attempt, LIVE_MOUNTS)
+        if not self.live:
+            self._start(limits)
 
     def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
         config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}

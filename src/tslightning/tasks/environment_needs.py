@@ -40,6 +40,11 @@ EnvironmentStatus = Literal["host", "build", "needs image", "needs network at bu
 
 MAPPED_BASES = ("python", "debian", "ubuntu", "buildpack-deps")
 """Base images (Docker Hub's official names, any tag) whose environment a Debian root with Python stands in for."""
+TERMINAL_BENCH_1_BASES = {
+    "ghcr.io/laude-institute/t-bench/python-3-13": ("python", "3.13"),
+    "ghcr.io/laude-institute/t-bench/ubuntu-24-04": ("ubuntu", "24.04"),
+}
+"""Terminal-Bench 1's own base images (most of its tasks start from one), mapped as the images they extend."""
 REGISTRY_HOSTS = (
     "deb.debian.org", "security.debian.org", "archive.ubuntu.com", "security.ubuntu.com", "ports.ubuntu.com",
     "pypi.org", "files.pythonhosted.org", "pypi.python.org", "astral.sh",
@@ -157,6 +162,9 @@ def base_of(image: str) -> tuple[str, str] | None:
     for prefix in ("docker.io/", "index.docker.io/", "library/"):
         reference = reference.removeprefix(prefix)
     name, _, tag = reference.partition(":")
+    if name in TERMINAL_BENCH_1_BASES:
+        name, version = TERMINAL_BENCH_1_BASES[name]
+        return name, f"{version}-{tag or 'latest'}"
     return (name, tag or "latest") if name in MAPPED_BASES else None
 
 

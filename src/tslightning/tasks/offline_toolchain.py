@@ -227,16 +227,17 @@ def toolchain_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
     return {**env, "PATH": f"{TOOLCHAIN_BIN}:{env.get('PATH', DEFAULT_PATH)}"}
 
 
-def fetches_toolchain(script: Path) -> str | None:
-    """What in ``script`` (a verifier's ``test.sh``) downloads its toolchain from the internet (the uv installer, a
-    ``uvx`` / ``uv`` run), else ``None``."""
-    if not script.is_file():
-        return None
-    text = script.read_text(encoding="utf-8", errors="replace")
-    for pattern in _FETCHES:
-        match = pattern.search(text)
-        if match:
-            return match.group(match.lastindex or 0).strip()
+def fetches_toolchain(tests: Path) -> str | None:
+    """What in ``tests`` (a verifier's ``test.sh``, or a tests directory: every shell script in it, as
+    ``run-tests.sh`` sources its helpers) downloads a toolchain from the internet (the uv installer, a ``uvx`` /
+    ``uv`` run), else ``None``."""
+    scripts = [tests] if tests.is_file() else sorted(tests.rglob("*.sh")) if tests.is_dir() else []
+    texts = [script.read_text(encoding="utf-8", errors="replace") for script in scripts]
+    for pattern in _FETCHES:  # the installer's URL names it best; else the first uv command
+        for text in texts:
+            match = pattern.search(text)
+            if match:
+                return match.group(match.lastindex or 0).strip()
     return None
 
 

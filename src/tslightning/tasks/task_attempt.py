@@ -21,6 +21,7 @@ from tslightning.sandbox import (
     BubblewrapSandbox,
     CommandResult,
     ContainerSandbox,
+    LiveBubblewrapSandbox,
     Sandbox,
     make_sandbox,
 )
@@ -105,6 +106,12 @@ class TerminalTaskAttempt:
             raise
         self.command_timeout_s = command_timeout_s
         self.command_limits = task.agent_limits(command_timeout_s)
+        if isinstance(self.sandbox, LiveBubblewrapSandbox):
+            try:  # ready before the agent's first command (an image's service starts now), timed as set-up
+                self.sandbox.start(self.command_limits)
+            except BaseException:
+                self.close()
+                raise
         self.verification: VerifierResult | None = None
 
     @property

@@ -153,10 +153,10 @@ def unmet_needs(task: TerminalTask, containers: bool = False) -> tuple[str, tupl
         if needs.status != "needs helper container":
             return None
         return needs.status, (*needs.reasons, "compose is not run by the container backends; leave the task out")
-    fetch = fetches_toolchain(task.test_script) if find_toolchain() is None else None
+    fetch = fetches_toolchain(task.tests_dir) if find_toolchain() is None else None
     if needs.status == "host" and fetch is not None:
         reason = (
-            f"tests/test.sh downloads its toolchain ({fetch}) and the offline toolchain is not prepared: run "
+            f"its tests download their toolchain ({fetch}) and the offline toolchain is not prepared: run "
             f"`tslightning tasks toolchain {task.root.parent}` once (it fills {default_cache_dir()})"
         )
         return "needs network at build", (reason,)
