@@ -79,3 +79,19 @@ def test_the_network_is_the_hosts_only_where_allowed(live):
     live.agent_network = True
     assert live.run(interfaces).output != "['lo']\n" and live.run(listener).output == "bound\n"
     assert live.run(interfaces, mounts=("app", "tests", "logs"), verifier=True).output == "['lo']\n"
+
+
+def test_what_commands_leave_counts_against_the_environments_memory():
+    hog = "python3 -c 'import time; b = bytearray(45 * 2**20); time.sleep(60)' &"
+    with AttemptDirectory() as attempt:
+        live = LiveBubblewrapSandbox(attempt, limits=SandboxLimits(timeout_s=20, memory_bytes=96 * 2**20))
+        try:
+            started = live.run(f"{hog} {hog} echo started")
+            assert started.output == "started\n"  # each process is within its own limits
+            watched = live.run("sleep 2; echo survived")
+            left = live.run("pgrep -c -x python3")  # pid 1 is python3.11
+        finally:
+            live.close()
+    # Together they pass the environment's memory: everything but pid 1 is killed, the running command with it.
+    assert watched.limit_hit == "memory" or watched.output == "survived\n"
+    assert left.output == "0\n", left.output
