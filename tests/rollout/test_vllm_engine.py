@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from unittest import mock
 
 import pytest
@@ -26,6 +27,7 @@ from engine_checks import (
 )
 
 from tslightning.models.tiny_model import CORPUS
+from tslightning.rollout import vllm_engine
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
 from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -107,10 +109,20 @@ def test_report_generation_and_publication_time(engine, tiny, prompts, capsys):
     )
 
 
-def test_close_gives_the_host_process_back(engine, prompts):
-    """Runs last: the in-process engine started a torch.distributed group in this process; close() removes it."""
+def test_close_aborts_a_running_batch_and_gives_the_host_process_back(engine, prompts, monkeypatch):
+    """Runs last. A batch still running after the grace period is aborted (its future fails) instead of hanging
+    close(); and the in-process engine started a torch.distributed group in this process, which close() removes."""
+    llm_engine = engine._llm.llm_engine
+    step = llm_engine.step
+    monkeypatch.setattr(llm_engine, "step", lambda: (time.sleep(0.05), step())[1])  # ~50 s for this request
+    monkeypatch.setattr(vllm_engine, "_CLOSE_GRACE_S", 0.5)
+    endless = engine.submit(GenerationRequest("endless", prompts[0], 1000 - len(prompts[0]), seed=0))
+    while not endless.running():
+        time.sleep(0.01)
     assert torch.distributed.is_initialized()
     engine.close()
+    with pytest.raises(RolloutEngineError, match="abort"):
+        endless.result(timeout=10)
     assert not torch.distributed.is_initialized()
     assert "distributed" not in getattr(sys.excepthook, "__qualname__", "")
     with pytest.raises(RolloutEngineError, match="closed"):

@@ -51,6 +51,8 @@ __all__ = ["VLLMRolloutEngine"]
 _EXTENSION = "tslightning.rollout.vllm_worker_extension.WeightPublicationExtension"
 _CPU_KV_CACHE_BYTES = 256 * 2**20
 _STOP = object()
+# How long ``close`` waits for the running batch before aborting it, then for the dispatcher after the abort.
+_CLOSE_GRACE_S = 30.0
 
 
 class VLLMRolloutEngine(QueuedEngine):
@@ -182,13 +184,17 @@ class VLLMRolloutEngine(QueuedEngine):
             return PublishReceipt(policy_version, workers, time.perf_counter() - start)
 
     def close(self) -> None:
-        """Finish the running batch, fail queued requests, shut vLLM down and free the shared buffer. Idempotent."""
+        """Finish the running batch (aborting it after a grace period), fail queued requests, shut vLLM down and free
+        the shared buffer. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._inbox.put(_STOP)
-        self._dispatcher.join()
+        self._dispatcher.join(_CLOSE_GRACE_S)
+        if self._dispatcher.is_alive():
+            self._abort_running_batch()
+            self._dispatcher.join(_CLOSE_GRACE_S)
         with contextlib.suppress(Exception):
             self._llm.llm_engine.engine_core.shutdown()
         del self._llm
@@ -196,6 +202,17 @@ class VLLMRolloutEngine(QueuedEngine):
             self._host.restore()
         if self._weights is not None:
             self._weights.close()
+
+    def _abort_running_batch(self) -> None:
+        """Abort every request of the batch still running, so ``LLM.generate`` returns and the dispatcher ends.
+
+        Only for ``close``: a batch that does not finish within the grace period (a wedged scheduler: vLLM 0.32 was
+        seen looping forever on a request it never schedules again) must not hang the caller. ``generate``'s requests
+        then come back unfinished, and their futures fail.
+        """
+        engine = self._llm.llm_engine
+        with contextlib.suppress(Exception):
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def _submit(self, requests: list[GenerationRequest]) -> list[Future[Generation]]:
         for request in requests:
@@ -252,6 +269,10 @@ class VLLMRolloutEngine(QueuedEngine):
                 future.set_exception(RolloutEngineError(f"vLLM generation failed: {error!r}"))
             return
         timing = {"batch_size": float(len(batch)), "generate_s": time.perf_counter() - start}
+        if len(outputs) != len(batch):  # requests aborted by ``close`` may come back without an output
+            for _, future in batch:
+                future.set_exception(RolloutEngineError("vLLM generation was aborted: the engine is closing."))
+            return
         for (request, future), output in zip(batch, outputs, strict=True):
             completion = output.outputs[0]
             if completion.finish_reason not in ("stop", "length"):
