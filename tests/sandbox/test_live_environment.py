@@ -95,3 +95,8 @@ def test_what_commands_leave_counts_against_the_environments_memory():
     # Together they pass the environment's memory: everything but pid 1 is killed, the running command with it.
     assert watched.limit_hit == "memory" or watched.output == "survived\n"
     assert left.output == "0\n", left.output
+
+
+def test_a_command_that_closes_its_output_early_still_ends_normally(live):
+    result = live.run("echo before; exec >&- 2>&-; sleep 1; exit 4")
+    assert result.output == "before\n" and result.exit_code == 4

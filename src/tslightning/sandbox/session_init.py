@@ -143,10 +143,12 @@ class Keeper:
         warden = self.warden
         warden.command_pid, warden.command_status, warden.limit = pid, None, None
         warden.peak_memory = 0
-        cancelled = False
+        cancelled, relaying = False, True
         while warden.command_status is None and warden.limit is None:
-            ready, _, _ = select.select([self.wake_read, relay, connection, *self.dropped], [], [], 0.05)
+            watched = [self.wake_read, connection, *self.dropped, *([relay] if relaying else [])]
+            ready, _, _ = select.select(watched, [], [], 0.05)
             if relay in ready and not _relay(relay, client_out):
+                relaying = False  # every writer closed it (the command may still run): stop polling an EOF
                 ready.remove(relay)
             if connection in ready and not _alive(connection):
                 cancelled = True
