@@ -7,6 +7,9 @@ settings (the task's, overridden key by key). A step whose reward is below its `
 fraction; a table: each named reward) ends the attempt early. The attempt's pass fraction is the mean over the
 steps that were verified (``mean``, Harbor's default) or the last one's (``final``).
 
+Each step's verifier ends the attempt's live environment (see :mod:`~tslightning.sandbox.live_environment`): files
+carry over to the next step, processes the agent left running do not (Harbor keeps one container across steps).
+
 ``tslightning tasks validate`` runs multi-step tasks (the no-op agent, and each step's ``solution/solve.sh``).
 ``fit`` does not train on them: the agent loop takes one instruction per trajectory, and a step's instruction
 arrives mid-trajectory (``fit`` refuses them by name; see :mod:`tslightning.loop.startup`).
