@@ -87,6 +87,8 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         self._keeper: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
         self._keeper_log = None
+        self._keeper_pid: int | None = None
+        """Host pid of the environment's pid 1 (bwrap's child)."""
         self._lock = threading.Lock()
         self.starts = 0
         """How many times the environment was started (a verifier run ends it; the next agent command restarts)."""
@@ -135,6 +137,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             self._start(limits)
 
     def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
+        self._pin_keeper()
         config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
         config["env"] = dict(env)
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -153,6 +156,16 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             pass_fds=(client_fd, status_write),
             status_fd=status_read,
         )
+
+    def _pin_keeper(self) -> None:
+        """Give pid 1 the calling thread's CPU affinity, so the command it forks next runs on the cores the caller
+        (a rollout worker) is pinned to, as a per-command sandbox would; nothing inside may change it (seccomp)."""
+        if self._keeper_pid is None:
+            return
+        try:
+            os.sched_setaffinity(self._keeper_pid, os.sched_getaffinity(0))
+        except OSError:
+            pass  # pid 1 is gone: the command's start reports it
 
     def _start(self, limits: SandboxLimits) -> None:
         """Start the environment's bwrap and wait until its pid 1 serves."""
@@ -211,6 +224,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             log = self._log_tail()
             self.end()
             raise SandboxError(f"the attempt's live environment did not start: {log or 'no output'}")
+        self._keeper_pid = _first_child(self._keeper.pid)
 
     def _log_tail(self) -> str:
         if self._keeper_log is None:
@@ -223,7 +237,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         starts a fresh one (files under ``/app`` stay)."""
         with self._lock:
             keeper, control, log = self._keeper, self._control, self._keeper_log
-            self._keeper = self._control = self._keeper_log = None
+            self._keeper = self._control = self._keeper_log = self._keeper_pid = None
         if control is not None:
             control.close()  # pid 1 reads EOF and exits; the kernel kills the rest of the namespace
         if keeper is not None:
@@ -237,6 +251,16 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
 
     def close(self) -> None:
         self.end()
+
+
+def _first_child(pid: int) -> int | None:
+    """The first child of host process ``pid`` (bwrap's: the sandbox's pid 1), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            children = file.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 __all__ = ["LIVE_MOUNTS", "LiveBubblewrapSandbox"]
