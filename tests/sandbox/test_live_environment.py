@@ -100,3 +100,8 @@ def test_what_commands_leave_counts_against_the_environments_memory():
 def test_a_command_that_closes_its_output_early_still_ends_normally(live):
     result = live.run("echo before; exec >&- 2>&-; sleep 1; exit 4")
     assert result.output == "before\n" and result.exit_code == 4
+
+
+def test_a_command_of_any_length_runs(live):
+    long = "true " + "x" * 300_000 + "\necho done"  # beyond one argument (128 KiB) and a socket message
+    assert live.run(long).output == "done\n"

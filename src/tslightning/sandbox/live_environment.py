@@ -141,13 +141,15 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
         config["env"] = dict(env)
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = _Descriptors()  # the configuration (any command length) travels in a memory file
         try:
-            socket.send_fds(self._control, [marshal.dumps(config)], [keeper_end.fileno()])
+            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(request.data(marshal.dumps(config)))])
         except OSError as error:
             host_end.close()
             raise SandboxError(f"the attempt's live environment stopped answering: {error}") from error
         finally:
             keeper_end.close()
+            request.close()
         status_read, status_write = os.pipe()
         client_fd = host_end.detach()
         return Launch(

@@ -7,8 +7,9 @@ started with ``&``) keep running, in the same namespaces, ``/tmp`` and network, 
 environment ends.
 
 Protocol (``socket.send_fds`` on Unix sequenced-packet sockets): the host sends, on the control socket named in
-argv, one message per command, the ``marshal``-encoded configuration (as :mod:`init_process` reads it, with ``cwd``
-and ``env``) with one descriptor, the command's own connection. On that connection the host's client process sends
+argv, one message per command with two descriptors: the command's own connection, and a memory file holding the
+``marshal``-encoded configuration (as :mod:`init_process` reads it, with ``cwd`` and ``env``; a command of any
+length). On that connection the host's client process sends
 its stdout, the readiness descriptor and the status descriptor; when the command ends, the status goes to the
 status descriptor (as :mod:`init_process` writes it) and its exit code, as text, to the connection. A connection that
 closes first (the client was killed: the command's time-out or output flood) kills the command's process group.
@@ -63,12 +64,14 @@ def main(argv: list[str]) -> int:
         keeper.tend(ready)
         if control in ready:
             try:
-                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 1)
+                message, fds, _, _ = socket.recv_fds(control, 16, 2)
             except OSError:
                 return 0
             if not message:
                 return 0  # the host closed the environment
-            keeper.serve(marshal.loads(message), socket.socket(fileno=fds[0]))
+            with os.fdopen(fds[1], "rb") as request:
+                config = marshal.loads(request.read())
+            keeper.serve(config, socket.socket(fileno=fds[0]))
 
 
 class Keeper:
