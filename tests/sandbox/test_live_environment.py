@@ -105,3 +105,24 @@ def test_a_command_that_closes_its_output_early_still_ends_normally(live):
 def test_a_command_of_any_length_runs(live):
     long = "true " + "x" * 300_000 + "\necho done"  # beyond one argument (128 KiB) and a socket message
     assert live.run(long).output == "done\n"
+
+
+HOLD_PROCESSES = (
+    'python3 -c "import os, time\nfor _ in range(40):\n    try:\n        pid = os.fork()\n    except OSError:\n'
+    '        break\n    if pid == 0:\n        os.setsid(); time.sleep(60); os._exit(0)"'
+)
+"""Processes in sessions of their own up to the process limit (Python's fork fails at once, bash's retries)."""
+
+
+def test_processes_left_holding_the_process_limit_do_not_end_the_environment():
+    with AttemptDirectory() as attempt:
+        live = LiveBubblewrapSandbox(attempt, limits=SandboxLimits(timeout_s=20, max_processes=24))
+        try:
+            live.run(HOLD_PROCESSES)
+            # bash must fork, and the processes left hold the limit: it retries until its time-out
+            forking = live.run("/bin/true; /bin/echo forked", limits=SandboxLimits(timeout_s=3, max_processes=24))
+            assert forking.limit_hit == "processes" and "forked" not in forking.output, forking.output
+            assert live.run("echo still").output == "still\n"  # pid 1 forks the next command regardless
+            assert live.live and live.starts == 1
+        finally:
+            live.close()

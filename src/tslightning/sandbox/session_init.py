@@ -69,9 +69,12 @@ def main(argv: list[str]) -> int:
                 return 0
             if not message:
                 return 0  # the host closed the environment
-            with os.fdopen(fds[1], "rb") as request:
-                config = marshal.loads(request.read())
-            keeper.serve(config, socket.socket(fileno=fds[0]))
+            try:
+                with os.fdopen(fds[1], "rb") as request:
+                    config = marshal.loads(request.read())
+                keeper.serve(config, socket.socket(fileno=fds[0]))
+            except Exception as error:  # noqa: BLE001 - one command's trouble never ends the environment
+                print(f"tsl-sandbox: a command could not be served: {error!r}", file=sys.stderr)
 
 
 class Keeper:
@@ -116,17 +119,36 @@ class Keeper:
             return
         client_out, ready_fd, status_fd = fds
         relay_read, relay_write = os.pipe2(os.O_CLOEXEC)
-        pid = self._start({**config, "ready_fd": ready_fd}, relay_write)
-        _close(relay_write, ready_fd)
-        status = self._watch_command(pid, relay_read, client_out, connection)
+        try:
+            pid = self._start({**config, "ready_fd": ready_fd}, relay_write)
+        except OSError as error:  # no fork (the processes left running hold the process limit): a result, not a crash
+            status = self._unstarted(error, ready_fd, client_out)
+            _close(relay_read)
+        else:
+            _close(relay_write, ready_fd)
+            status = self._watch_command(pid, relay_read, client_out, connection)
         _close(client_out)
-        with os.fdopen(status_fd, "wb") as status_file:
-            status_file.write(marshal.dumps(status))
+        try:  # the host may have stopped listening (a time-out): pid 1 carries on regardless
+            with os.fdopen(status_fd, "wb") as status_file:
+                status_file.write(marshal.dumps(status))
+        except OSError:
+            pass
         try:
             connection.sendall(str(init_process._exit_code(status)).encode())
         except OSError:
             pass
         connection.close()
+
+    def _unstarted(self, error: OSError, ready_fd: int, client_out: int) -> dict:
+        """The status of a command that could not be forked (exit status 126, bash's "cannot execute")."""
+        try:
+            os.write(client_out, f"tsl-sandbox: cannot start the command: {error.strerror}\n".encode())
+            os.write(ready_fd, b".")
+        except OSError:
+            pass
+        _close(ready_fd)
+        self.warden.command_pid, self.warden.command_status, self.warden.limit = -1, 126 << 8, None
+        return self.warden.status()
 
     def _start(self, config: dict, output: int) -> int:
         """Fork the command in its own session, its stdout and stderr on ``output``."""
