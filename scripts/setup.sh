@@ -13,6 +13,10 @@ if ! command -v bwrap >/dev/null; then
     exit 1
   fi
 fi
+# Image-lite task environments are built as Debian roots with mmdebstrap (tests skip them, saying so, without it).
+if ! command -v mmdebstrap >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 # The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build).

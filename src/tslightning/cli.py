@@ -17,6 +17,7 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
 from tslightning.commands.plan import plan_report
+from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import RolloutSettings, fit
@@ -26,8 +27,6 @@ from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters
 from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.sandbox import Backend, SandboxUnavailableError
-from tslightning.tasks.rewards import RewardScheme
-from tslightning.tasks.validation import format_table, sandbox_factory, validate_tasks
 
 _BARE_FLAGS = ("--json", "--overwrite")
 
@@ -57,36 +56,6 @@ def verify(
     report = run_verification(objective=objective, dtype=dtype, updates=updates, seed=seed)
     print(json_module.dumps(report.to_dict(), indent=2) if json else report.summary())
     if not report.passed:
-        sys.exit(1)
-
-
-def tasks_validate(
-    path: Path | None = None,
-    backend: Backend = "bubblewrap",
-    scheme: RewardScheme = "seta",
-    workers: int = 2,
-) -> None:
-    """Check terminal tasks: the reference solution passes and the no-op agent does not (App. C.2).
-
-    Usage: ``tslightning tasks validate [DIR]``. For each task, two fresh sandbox attempts: one where the agent does
-    nothing, one that runs ``solution/solve.sh``; the verifier scores both. Prints a table and exits 1 naming each
-    task whose reference does not fully pass or whose no-op already passes (with the verifier output's tail).
-
-    Args:
-        path: A task directory or a directory of task directories (default: the shipped library).
-        backend: Sandbox backend of the attempts.
-        scheme: Reward scheme of the reported rewards (``seta``: p + 0.5·1[p = 1]; ``binary``).
-        workers: Tasks validated at once.
-    """
-    try:
-        results = validate_tasks(path, scheme=scheme, workers=workers, make_attempt_sandbox=sandbox_factory(backend))
-    except (FileNotFoundError, SandboxUnavailableError) as error:
-        print(f"tasks validate: {error}", file=sys.stderr)
-        sys.exit(2)
-    print(format_table(results))
-    failed = [result.task for result in results if not result.ok]
-    if failed:
-        print(f"tasks validate: {len(failed)} invalid task(s): {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
 
 
@@ -324,7 +293,7 @@ COMMANDS = {
     "replay": replay,
     "predict": predict,
     "bench": bench,
-    "tasks": {"validate": tasks_validate},
+    "tasks": {"validate": tasks_validate, "migrate": tasks_migrate, "toolchain": tasks_toolchain},
 }
 
 _DESCRIPTION = (
@@ -396,9 +365,12 @@ def _run(args: list[str]) -> None:
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:
-    """Let ``tasks validate DIR`` name its directory positionally as well as with ``--path DIR``."""
-    if args[:2] == ["tasks", "validate"] and len(args) > 2 and not args[2].startswith("-"):
+    """Let ``tasks validate DIR`` name its directory positionally as well as with ``--path DIR``, and ``tasks
+    migrate SOURCE TARGET`` its two as well as with ``--source``, ``--target``."""
+    if args[:2] in (["tasks", "validate"], ["tasks", "toolchain"]) and len(args) > 2 and not args[2].startswith("-"):
         return [*args[:2], "--path", *args[2:]]
+    if args[:2] == ["tasks", "migrate"] and len(args) > 3 and not any(a.startswith("-") for a in args[2:4]):
+        return [*args[:2], "--source", args[2], "--target", args[3], *args[4:]]
     return args
 
 

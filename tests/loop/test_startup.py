@@ -49,6 +49,20 @@ def test_unknown_names_missing_and_empty_directories_are_named(tmp_path):
         training_tasks(RolloutSettings(task_names=["nope"]))
 
 
+def test_multi_step_tasks_are_refused_by_name(tmp_path):
+    multi = _task(tmp_path, "multi", '[[steps]]\nname = "one"\n')
+    (multi / "steps" / "one").mkdir(parents=True)
+    (multi / "steps" / "one" / "instruction.md").write_text("Step one.\n")
+    _task(tmp_path, "single")
+    selection = select_tasks(RolloutSettings(tasks=str(tmp_path), split="all"))
+    assert [t.name for t in selection.tasks] == ["single"]
+    (problem,) = selection.problems
+    assert problem.startswith("rollout.tasks: task 'multi' is a multi-step task ([[steps]]), which fit does not train")
+    assert RolloutSettings(reward_key="").problems() == [
+        "rollout.reward_key is empty: name the reward.json key to train on (default: reward)"
+    ]
+
+
 @pytest.fixture
 def warm_starts(monkeypatch):
     calls = []

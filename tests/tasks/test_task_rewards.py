@@ -126,3 +126,33 @@ def test_symlinked_or_huge_reward_files_are_refused(tmp_path):
     (logs / "reward.txt").unlink()
     (logs / "reward.txt").write_text("1" + " " * 70_000)
     assert "larger than 65536 bytes" in read_reward_files(logs).error
+
+
+def test_named_rewards_the_chosen_key_is_the_fraction():
+    text = json.dumps({"correctness": 1.0, "performance": 0.25, "note": "fast"})
+    reading = parse_reward_json(text, key="performance")
+    assert reading.passed_fraction == 0.25 and reading.key == "performance"
+    assert reading.named == {"correctness": 1.0, "performance": 0.25}
+    assert reading.describe() == "performance 0.25 (reward.json)"
+    assert parse_reward_json(text, key="correctness").reward("seta") == 1.5
+    with pytest.raises(RewardFileError, match=r"named rewards \['correctness', 'performance'\] but no 'reward'"):
+        parse_reward_json(text)  # the default key, absent: say which keys there are and how to choose
+    with pytest.raises(RewardFileError, match="has no reward 'speed'"):
+        parse_reward_json(text, key="speed")
+    with pytest.raises(RewardFileError, match=r"'score' must be a pass fraction in \[0, 1\]"):
+        parse_reward_json('{"score": 7}', key="score")
+
+
+def test_named_reward_beside_counts_and_reward_txt_agreement(tmp_path):
+    (tmp_path / "reward.json").write_text('{"tests_passed": 1, "tests_total": 2, "style": 1.0}')
+    (tmp_path / "reward.txt").write_text("0.5\n")  # reward.txt stands for the counts
+    assert read_reward_files(tmp_path).passed_fraction == 0.5
+    reading = read_reward_files(tmp_path, key="style")
+    assert reading.passed_fraction == 1.0 and reading.error is None and reading.tests_total == 2
+    # A named-only reward.json forged beside an honest reward.txt disagrees with it.
+    (tmp_path / "reward.json").write_text('{"correctness": 1.0}')
+    (tmp_path / "reward.txt").write_text("0\n")
+    refused = read_reward_files(tmp_path, key="correctness")
+    assert refused.passed_fraction is None and "disagree" in refused.error
+    (tmp_path / "reward.txt").unlink()  # Harbor's named-rewards verifiers write reward.json alone
+    assert read_reward_files(tmp_path, key="correctness").passed_fraction == 1.0

@@ -175,6 +175,12 @@ class RolloutSettings:
     ``None``: the policy's ``max_position_embeddings``."""
     reward_scheme: Literal["seta", "binary"] = "seta"
     """``seta``: partial credit p + 0.5·1[p = 1] for a fraction p of passed tests; ``binary``: 1 when all pass."""
+    allow_internet: bool = False
+    """Let tasks whose ``[environment]`` allows the internet (``allow_internet``, Harbor's default) reach it from their
+    agent's commands and verifier (bubblewrap shares the host's network). Default: every command offline."""
+    reward_key: str = "reward"
+    """The named reward of a verifier's ``reward.json`` read as the pass fraction p (Harbor tasks may report several,
+    e.g. ``{"correctness": 1, "performance": 0.4}``); test counts, when present, are p under the default key."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``rollout.*``) and the fix."""
@@ -205,6 +211,8 @@ class RolloutSettings:
             )
         if not self.server_timeout_s > 0:
             problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
+        if not self.reward_key:
+            problems.append("rollout.reward_key is empty: name the reward.json key to train on (default: reward)")
         return problems
 
 

@@ -24,11 +24,12 @@ from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.tasks.demonstrations import task_demonstrations
+from tslightning.tasks.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
 from tslightning.tasks.split import split_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
-from tslightning.tasks.validation import library_dir
+from tslightning.tasks.validation import library_dir, unmet_needs
 
 
 @dataclass
@@ -71,12 +72,32 @@ def select_tasks(rollout: RolloutSettings) -> TaskSelection:
         directories = [d for d in directories if d.name in rollout.task_names]
     for directory in directories:
         try:
-            selection.tasks.append(TerminalTask.load(directory))
+            task = TerminalTask.load(directory)
         except TaskFormatError as error:
             selection.problems.append(
                 f"rollout.tasks: task {directory.name!r} ({directory}) is not a valid Harbor task: "
                 f"{'; '.join(error.problems)} (fix it, or leave it out with rollout.task_names)"
             )
+            continue
+        if task.multi_step:
+            selection.problems.append(
+                f"rollout.tasks: task {task.name!r} is a multi-step task ([[steps]]), which fit does not train on "
+                "(a step's instruction would arrive mid-trajectory); `tslightning tasks validate` runs it. Leave it "
+                "out with rollout.task_names"
+            )
+            continue
+        unmet = unmet_needs(task)
+        if unmet is not None:
+            selection.problems.append(
+                f"rollout.tasks: task {task.name!r} {unmet[0]}: {'; '.join(unmet[1])} (leave it out with "
+                "rollout.task_names; `tslightning tasks validate` lists what each task needs)"
+            )
+            continue
+        problem = _build_image(task)
+        if problem is not None:
+            selection.problems.append(problem)
+            continue
+        selection.tasks.append(task)
     if rollout.split != "all" and 0 <= rollout.dev_fraction <= 1:  # out of range: RolloutSettings.problems says so
         selection.tasks = [t for t in selection.tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
     if not selection.tasks and not selection.problems:
@@ -287,10 +308,23 @@ def rollout_datamodule(
     )
 
 
+def _build_image(task: TerminalTask) -> str | None:
+    """Build (or find in the cache) the image-lite environment of a task that needs one, before any rollout."""
+    if task.needs.status != "build":
+        return None
+    try:
+        build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+    except ImageBuildError as error:
+        return f"rollout.tasks: task {task.name!r}: its image did not build: environment/{error}"
+    return None
+
+
 def attempt_factory(rollout: RolloutSettings):
     if rollout.environment == "simulated_tool":
         return SimulatedToolEnvironment(rollout.simulated_tool)
-    return lambda task: TerminalTaskAttempt(task, rollout.reward_scheme)
+    return lambda task: TerminalTaskAttempt(
+        task, rollout.reward_scheme, reward_key=rollout.reward_key, allow_internet=rollout.allow_internet
+    )
 
 
 def demonstrations(rollout: RolloutSettings, tasks, near_misses: bool):

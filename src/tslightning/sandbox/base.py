@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import posixpath
 import re
 import resource
 from abc import ABC, abstractmethod
@@ -9,6 +11,7 @@ from collections.abc import Collection, Mapping
 from types import MappingProxyType
 
 from tslightning.sandbox.attempt import AttemptDirectory, Mount, validate_mounts
+from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.result import CommandResult
 from tslightning.sandbox.supervision import Launch, supervise
@@ -41,9 +44,34 @@ class Sandbox(ABC):
     one argument are bound by the kernel's ``MAX_ARG_STRLEN`` (128 KiB); a longer command is not run and its result
     says so."""
 
+    can_share: bool = True
+    """Whether :meth:`share` can show a host directory inside (the subprocess backend shows the host as it is)."""
+
     def __init__(self, attempt: AttemptDirectory, *, limits: SandboxLimits | None = None) -> None:
         self.attempt = attempt
         self.limits = limits if limits is not None else SandboxLimits()
+        self.shared: dict[str, str] = {}
+        """Host directories shown read-only inside every command: path inside → host path (:meth:`share`)."""
+
+    def share(self, host_dir: str | os.PathLike[str], inside: str) -> None:
+        """Show ``host_dir`` read-only at ``inside`` in every later command (a toolchain, a wheel cache).
+
+        Raises:
+            ValueError: ``inside`` is not an absolute path under ``/run/`` or ``/opt/``, or ``host_dir`` is not a
+                directory.
+            SandboxError: this backend cannot show host directories (:attr:`can_share`).
+        """
+        if not self.can_share:
+            raise SandboxError(f"{type(self).__name__} cannot show host directories inside its commands")
+        normal = posixpath.normpath(inside)
+        if normal != inside or not inside.startswith(("/run/", "/opt/")):
+            raise ValueError(f"a shared directory must appear under /run/ or /opt/ (got {inside!r})")
+        if not os.path.isdir(host_dir):
+            raise ValueError(f"shared directory {os.fspath(host_dir)!r} is not a directory")
+        self.shared[inside] = os.path.realpath(host_dir)
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing between commands
+        """Release what the sandbox holds beyond single commands (a live environment); idempotent."""
 
     def run(
         self,

@@ -45,6 +45,7 @@ from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, kernel_limits
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.file_tree import chown_tree
 from tslightning.sandbox.limits import SandboxLimits
+from tslightning.sandbox.root_filesystem import RootFilesystem
 from tslightning.sandbox.supervision import Launch
 from tslightning.sandbox.syscall_filter import syscall_filter
 
@@ -60,7 +61,7 @@ unreadable executable is not dumpable, so the verifier's shells cannot be traced
 
 _SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_INIT_FILES = ("init_process.py", "file_tree.py")
+_INIT_FILES = ("init_process.py", "file_tree.py", "session_init.py")
 _TMPFS_POINTS = ("/tmp", "/dev/shm")
 
 BWRAP_MISSING = (
@@ -85,6 +86,8 @@ class BubblewrapSandbox(Sandbox):
     """
 
     max_command_bytes = None  # the init hands a long command to bash on a descriptor
+    read_only_mounts: tuple[Mount, ...] = ("tests",)
+    """Attempt directories bound read-only."""
 
     def __init__(
         self,
@@ -101,7 +104,37 @@ class BubblewrapSandbox(Sandbox):
             raise ValueError(f"unprivileged_uid must be > 0 (got {unprivileged_uid})")
         self._bwrap = bwrap
         self._host_uid = unprivileged_uid if os.geteuid() == 0 else None
+        self.root: RootFilesystem | None = None
+        self.agent_network = False
+        """Agent commands share the host's network (a task that allows the internet, where the trainer allows)."""
+        self.verifier_network = False
+        """Verifier runs share the host's network."""
         _check_namespaces(bwrap, self._host_uid)
+
+    def network_for(self, verifier: bool) -> bool:
+        """Whether the agent's (or the verifier's) commands share the host's network (:attr:`agent_network`,
+        :attr:`verifier_network`; default: neither, their own loopback only)."""
+        return self.verifier_network if verifier else self.agent_network
+
+    @property
+    def interpreter(self) -> str:
+        """The Python that runs the sandbox's init: the root's, or the host's (see :func:`_interpreter`)."""
+        return self.root.interpreter if self.root is not None else _interpreter()
+
+    def use_root(self, root: RootFilesystem) -> None:
+        """Run every later command in ``root`` instead of the host's system (a task's built environment); its
+        writable copies are handed to the sandbox's uid.
+
+        Raises:
+            ValueError: the root lacks what the sandbox needs (the message names each path).
+        """
+        problems = root.problems()
+        if problems:
+            raise ValueError(f"root filesystem {root.path} cannot host the sandbox: {'; '.join(problems)}")
+        if self._host_uid is not None:
+            for host in root.writable.values():
+                chown_tree(Path(host), self._host_uid, self._host_uid)
+        self.root = root
 
     def _launch(
         self,
@@ -123,7 +156,7 @@ class BubblewrapSandbox(Sandbox):
         try:
             config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
             options = self._options(limits, mounts, cwd, env, verifier, passed)
-            init = [_interpreter(), "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
+            init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
             # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
         except BaseException:
@@ -148,12 +181,23 @@ class BubblewrapSandbox(Sandbox):
         passed: _Descriptors,
     ) -> list[str]:
         """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
-        options = [*_NAMESPACE_ARGS, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
+        namespaces = list(_NAMESPACE_ARGS)
+        if self.network_for(verifier):
+            namespaces.remove("--unshare-net")
+        if self.root is not None:  # the init's files go on a tmpfs: a read-only root cannot hold new files
+            options = [*namespaces, "--as-pid-1", *self.root.binds(), "--tmpfs", RUN_DIR]
+            if self.network_for(verifier) and os.path.exists("/etc/resolv.conf"):
+                options += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+        else:
+            options = [*namespaces, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
         options += _private_dirs(min(limits.tmp_bytes, limits.disk_bytes))
         for mount in mounts:
-            bind = "--ro-bind" if mount == "tests" else "--bind"
+            bind = "--ro-bind" if mount in self.read_only_mounts else "--bind"
             options += [bind, str(self.attempt.host_path(mount)), MOUNT_POINTS[mount]]
-        options += _masks([_PACKAGE_DIR, *self.attempt.hidden])
+        for inside, host in sorted(self.shared.items()):
+            options += ["--ro-bind", host, inside]
+        if self.root is None:  # a built root holds none of the host's files
+            options += _masks([_PACKAGE_DIR, *self.attempt.hidden])
         options += ["--seccomp", passed.data(syscall_filter(verifier=verifier))]
         for name in _INIT_FILES:
             options += ["--ro-bind-data", passed.data(_init_source(name)), f"{RUN_DIR}/{name}"]

@@ -70,6 +70,8 @@ class DockerSandbox(Sandbox):
                 "--mount",
                 f"type=bind,source={self.attempt.host_path(mount)},target={MOUNT_POINTS[mount]}{readonly}",
             ]
+        for inside, host in sorted(self.shared.items()):
+            argv += ["--mount", f"type=bind,source={host},target={inside},readonly"]
         for variable in env:
             argv += ["--env", variable]  # the value is taken from the client's environment, not its argv
         # The readiness descriptor does not cross into a container: setup failures show as docker's exit status 125.

@@ -94,8 +94,8 @@ def _wake_on_child_exit() -> int:
     return read_end
 
 
-def _start(config: dict) -> int:
-    """Fork the command; the child never returns."""
+def _start(config: dict, new_session: bool = False) -> int:
+    """Fork the command (in a session of its own with ``new_session``); the child never returns."""
     command = config["command"].encode("utf-8", "surrogateescape")
     shell = config["shell"]
     argv = [shell, "-c", command] if len(command) <= MAX_ARGUMENT_BYTES else [shell, f"/dev/fd/{COMMAND_FD}"]
@@ -103,6 +103,8 @@ def _start(config: dict) -> int:
     pid = os.fork()
     if pid == 0:  # the child; the init has no other threads, so Python code is safe here until exec
         try:
+            if new_session:
+                os.setsid()
             _become_command(config, argv, script_fd)
         finally:
             os._exit(126)
@@ -135,12 +137,20 @@ def _become_command(config: dict, argv: list, script_fd: int | None) -> None:
     except (OSError, ValueError) as error:
         os.write(2, f"tsl-sandbox: cannot set the limits: {error}\n".encode())
         return
+    if "cwd" in config:  # a live environment's command (session_init): its own directory and variables
+        try:
+            os.chdir(config["cwd"])
+        except OSError as error:
+            os.write(2, f"tsl-sandbox: cannot enter {config['cwd']}: {error.strerror}\n".encode())
+            return
     os.write(config["ready_fd"], b".")
     if script_fd is not None:
         os.dup2(script_fd, COMMAND_FD)
     # Only stdin, stdout, stderr (and the script) reach the command: no descriptor of the sandbox's setup.
     os.closerange(COMMAND_FD + 1 if script_fd is not None else COMMAND_FD, os.sysconf("SC_OPEN_MAX"))
     try:
+        if "env" in config:
+            os.execve(argv[0], argv, config["env"])
         os.execv(argv[0], argv)
     except OSError as error:
         os.write(2, f"tsl-sandbox: cannot run {argv[0]}: {error}\n".encode())

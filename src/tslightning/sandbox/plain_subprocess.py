@@ -32,6 +32,8 @@ class SubprocessSandbox(Sandbox):
         UserWarning: on construction, always (and logs it), because nothing is isolated.
     """
 
+    can_share = False
+
     def __init__(self, attempt: AttemptDirectory, *, limits: SandboxLimits | None = None) -> None:
         super().__init__(attempt, limits=limits)
         warnings.warn(NOT_ISOLATED, UserWarning, stacklevel=2)

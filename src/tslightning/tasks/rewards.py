@@ -8,10 +8,12 @@ Two reward schemes, both functions of the fraction ``p`` of the verifier's tests
 A verifier reports ``p`` in ``/logs/verifier/`` through one of two files; ``reward.json`` wins when both exist:
 
 ``reward.json``
-    A JSON object with either the test counts ``{"tests_passed": k, "tests_total": n}`` (integers, ``0 ≤ k ≤ n``,
-    ``n ≥ 1``; ``p = k / n``) or Harbor's ``{"reward": x}`` with ``x`` in [0, 1], read as ``p``. When the counts are
-    present a ``reward`` key beside them is the verifier's own score: it is kept as
-    :attr:`RewardReading.reported_reward` for logs but the trainer's scheme decides the reward. Other keys are ignored.
+    A JSON object with the test counts ``{"tests_passed": k, "tests_total": n}`` (integers, ``0 ≤ k ≤ n``,
+    ``n ≥ 1``; ``p = k / n``), or Harbor's rewards by name: ``{"reward": x}``, or several named rewards
+    (``{"correctness": 1.0, "performance": 0.4}``). The reward key the trainer chooses (``reward_key``, default
+    ``reward``) is read as ``p`` (a number in [0, 1]); with the default key, counts win over a ``reward`` beside
+    them, which is kept as :attr:`RewardReading.reported_reward` for logs (the trainer's scheme decides the reward).
+    Every named number is kept in :attr:`RewardReading.named`; other keys are ignored.
 ``reward.txt``
     One number in [0, 1]: the fraction passed (Terminal-Bench's ``1``/``0`` are the all-or-nothing case).
 
@@ -23,7 +25,8 @@ reader therefore accepts only what an honest verifier leaves: a log directory th
 directory; reward files that are regular files (not symlinks, directories or FIFOs: opened with ``O_NOFOLLOW`` and
 without blocking) with one link and owner read and write permission, as a plain write leaves them; and when both
 files exist, the same pass fraction in each (an honest verifier writes both from the same counts, so a file forged
-beside the verifier's own, or a verifier write that failed on a file forged before it, disagrees). Anything else
+beside the verifier's own, or a verifier write that failed on a file forged before it, disagrees). ``reward.txt``
+stands for ``reward.json``'s counts, else its ``reward``, else the chosen named reward. Anything else
 scores 0 with a reason. What the sandbox adds (a fresh, empty directory per verification, read-only tests, every
 process of the verifier gone before the files are read, orphans' writes detected) is in
 :mod:`tslightning.tasks.verifier`.
@@ -36,7 +39,7 @@ import json
 import math
 import os
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -50,6 +53,8 @@ MAX_JSON_DEPTH = 32
 """Deepest nesting of arrays and objects accepted in ``reward.json`` (the documented shapes need 1)."""
 MAX_INT_DIGITS = 18
 """Longest integer accepted in ``reward.json``: test counts, far below Python's 4300-digit conversion limit."""
+DEFAULT_REWARD_KEY = "reward"
+"""The reward of ``reward.json`` read as the pass fraction unless the trainer chooses another (Harbor's 1-D key)."""
 FRACTION_TOLERANCE = 1e-6
 """How closely ``reward.txt`` and ``reward.json`` must agree when both exist (``reward.txt`` is often ``%.6f``)."""
 
@@ -97,6 +102,10 @@ class RewardReading:
         error: Why no fraction could be read (``None`` when ``passed_fraction`` is set).
         changed_ns: When the reward files last changed (their latest ``st_ctime_ns``, which no process can set),
             ``None`` when none was read.
+        named: Every named number of ``reward.json`` (Harbor's rewards by name).
+        key: The reward key read as the pass fraction.
+        txt_fraction: What ``reward.txt`` must say beside this ``reward.json`` (counts, else ``reward``, else the
+            chosen key); ``None`` for a reading of ``reward.txt`` itself.
     """
 
     passed_fraction: float | None
@@ -106,6 +115,9 @@ class RewardReading:
     source: str | None = None
     error: str | None = None
     changed_ns: int | None = None
+    named: dict[str, float] = field(default_factory=dict)
+    key: str = DEFAULT_REWARD_KEY
+    txt_fraction: float | None = None
 
     def reward(self, scheme: RewardScheme) -> float:
         """The reward under ``scheme``; 0.0 when the files were missing or malformed."""
@@ -115,8 +127,10 @@ class RewardReading:
         """One line for tables and logs: the counts or fraction, or the error."""
         if self.error is not None:
             return self.error
-        if self.tests_total is not None:
+        if self.tests_total is not None and self.key == DEFAULT_REWARD_KEY:
             return f"{self.tests_passed}/{self.tests_total} tests passed ({self.source})"
+        if self.key != DEFAULT_REWARD_KEY:
+            return f"{self.key} {self.passed_fraction:g} ({self.source})"
         return f"pass fraction {self.passed_fraction:g} ({self.source})"
 
 
@@ -132,9 +146,9 @@ def parse_reward_txt(text: str) -> float:
     return _fraction_in_range(value, f"{REWARD_TXT} value")
 
 
-def parse_reward_json(text: str) -> RewardReading:
-    """Parse ``reward.json`` (see the module docstring for the accepted shapes); malformed text of any kind (deep
-    nesting, huge numbers, ``NaN``) raises :class:`RewardFileError` only."""
+def parse_reward_json(text: str, key: str = DEFAULT_REWARD_KEY) -> RewardReading:
+    """Parse ``reward.json`` (see the module docstring for the accepted shapes), reading ``key`` as the pass
+    fraction; malformed text of any kind (deep nesting, huge numbers, ``NaN``) raises :class:`RewardFileError`."""
     depth = _nesting_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise RewardFileError(f"{REWARD_JSON} nests {depth} levels of arrays or objects; at most {MAX_JSON_DEPTH}")
@@ -148,21 +162,41 @@ def parse_reward_json(text: str) -> RewardReading:
         raise RewardFileError(f"{REWARD_JSON} cannot be read as JSON ({_preview(str(error))})") from None
     if not isinstance(data, dict):
         raise RewardFileError(f"{REWARD_JSON} must be a JSON object; got {type(data).__name__}")
-    if "tests_passed" in data or "tests_total" in data:
-        return _reading_from_counts(data)
-    if "reward" in data:
-        fraction = _fraction_in_range(_number(data["reward"], "reward"), f"{REWARD_JSON} 'reward'")
-        return RewardReading(passed_fraction=fraction, source=REWARD_JSON)
-    raise RewardFileError(
-        f"{REWARD_JSON} needs 'tests_passed' and 'tests_total', or 'reward'; got keys {sorted(data) or 'none'}"
-    )
+    named = _named_rewards(data)
+    counts = _reading_from_counts(data) if "tests_passed" in data or "tests_total" in data else None
+    if counts is not None and key == DEFAULT_REWARD_KEY:
+        return replace(counts, named=named, txt_fraction=counts.passed_fraction)
+    if key not in data:
+        raise RewardFileError(_missing_key(key, data))
+    fraction = _fraction_in_range(_number(data[key], key), f"{REWARD_JSON} {key!r}")
+    primary = counts.passed_fraction if counts is not None else named.get(DEFAULT_REWARD_KEY, fraction)
+    base = counts if counts is not None else RewardReading(passed_fraction=fraction, source=REWARD_JSON)
+    return replace(base, passed_fraction=fraction, named=named, key=key, txt_fraction=primary)
 
 
-_READERS = ((REWARD_JSON, parse_reward_json), (REWARD_TXT, parse_reward_txt))
+def _named_rewards(data: dict) -> dict[str, float]:
+    """The finite numbers of ``data`` by key (Harbor's named rewards; counts are numbers too)."""
+    return {
+        str(name): float(value)
+        for name, value in data.items()
+        if not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    }
 
 
-def read_reward_files(logs_dir: Path) -> RewardReading:
-    """Read the verifier's reward from ``logs_dir`` (``reward.json`` first, then ``reward.txt``); never raises.
+def _missing_key(key: str, data: dict) -> str:
+    if key == DEFAULT_REWARD_KEY and _named_rewards(data):
+        return (
+            f"{REWARD_JSON} has named rewards {sorted(_named_rewards(data))} but no 'reward'; choose the one to train "
+            "on (rollout.reward_key, or --reward_key)"
+        )
+    if key == DEFAULT_REWARD_KEY:
+        return f"{REWARD_JSON} needs 'tests_passed' and 'tests_total', or 'reward'; got keys {sorted(data) or 'none'}"
+    return f"{REWARD_JSON} has no reward {key!r} (the reward key chosen); got keys {sorted(data) or 'none'}"
+
+
+def read_reward_files(logs_dir: Path, key: str = DEFAULT_REWARD_KEY) -> RewardReading:
+    """Read the verifier's reward from ``logs_dir`` (``reward.json`` first, then ``reward.txt``), with ``key`` the
+    named reward read as the pass fraction; never raises.
 
     Both files are checked when both exist (see "Integrity" in the module docstring); neither is ever followed
     through a symbolic link, and the host never blocks on what it opens.
@@ -176,7 +210,8 @@ def read_reward_files(logs_dir: Path) -> RewardReading:
         if mode & stat.S_IRWXU != stat.S_IRWXU:
             error = f"the verifier's log directory had its permissions changed (mode {mode:o}); refused"
             return RewardReading(passed_fraction=None, error=error)
-        readings = [_read_one(directory, name, parse) for name, parse in _READERS]
+        readers = ((REWARD_JSON, lambda text: parse_reward_json(text, key)), (REWARD_TXT, parse_reward_txt))
+        readings = [_read_one(directory, name, parse) for name, parse in readers]
     finally:
         os.close(directory)
     return _combine([reading for reading in readings if reading is not None])
@@ -240,10 +275,11 @@ def _combine(readings: list[RewardReading]) -> RewardReading:
     if bad is not None:
         return replace(bad, changed_ns=changed)
     first = readings[0]
+    said = first.txt_fraction if first.txt_fraction is not None else first.passed_fraction
     for other in readings[1:]:
-        if abs(other.passed_fraction - first.passed_fraction) > FRACTION_TOLERANCE:
+        if abs(other.passed_fraction - said) > FRACTION_TOLERANCE:
             error = (
-                f"{first.source} ({first.passed_fraction:g}) and {other.source} ({other.passed_fraction:g}) disagree: "
+                f"{first.source} ({said:g}) and {other.source} ({other.passed_fraction:g}) disagree: "
                 "one was not written by the verifier's last write; refused"
             )
             return RewardReading(passed_fraction=None, source=first.source, error=error, changed_ns=changed)

@@ -1,20 +1,49 @@
 """One attempt at a terminal task, as the agent loop sees it (``tslightning.rollout.agent_loop.TaskAttempt``).
 
 The attempt owns a fresh attempt directory seeded from the task's ``environment/`` and its sandbox. The agent's
-commands see only ``/app`` and run under the task's resources with Table 6's 120 s per command; :meth:`verify` then
-runs the task's verifier (which alone sees ``/tests``) and returns the reward, keeping the full verdict in
-:attr:`TerminalTaskAttempt.verification`.
+commands see only ``/app`` and run under the task's resources with Table 6's 120 s per command, in the task's working
+directory and with its ``[environment] env``; :meth:`verify` then runs the task's verifier (which alone sees
+``/tests``) and returns the reward, keeping the full verdict in :attr:`TerminalTaskAttempt.verification`.
 """
 
 from __future__ import annotations
 
+import posixpath
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
+from typing import Literal
 
-from tslightning.sandbox import CommandResult
-from tslightning.tasks.rewards import RewardScheme
+from tslightning.sandbox import (
+    AttemptDirectory,
+    Backend,
+    BubblewrapSandbox,
+    CommandResult,
+    ContainerSandbox,
+    LiveBubblewrapSandbox,
+    Sandbox,
+    make_sandbox,
+)
+from tslightning.tasks.container_image import prepare_container
+from tslightning.tasks.image_attempt import enter_image, image_for
+from tslightning.tasks.image_lite import ImageLite
+from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
+from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import AGENT_COMMAND_TIMEOUT_S, TerminalTask
-from tslightning.tasks.validation import SandboxFactory, sandbox_factory
-from tslightning.tasks.verifier import VerifierResult, run_verifier
+from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+
+SandboxFactory = Callable[[AttemptDirectory], Sandbox]
+"""Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
+
+APP = "/app"
+
+
+def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
+    """A :data:`SandboxFactory` for a ``sandbox.backend`` name: one live environment per attempt where the backend
+    has one (every agent command in the same sandbox; what it leaves running stays until the verifier runs)."""
+    return lambda attempt: make_sandbox(backend, attempt=attempt, live=True)
 
 
 class TerminalTaskAttempt:
@@ -25,6 +54,18 @@ class TerminalTaskAttempt:
         scheme: Reward scheme of the verifier's pass fraction (``seta`` partial or ``binary``).
         make_attempt_sandbox: Makes the attempt's sandbox (default: bubblewrap).
         command_timeout_s: Wall-clock limit of one agent command (Table 6: 120 s).
+        reward_key: The named reward of ``reward.json`` read as the pass fraction (default ``reward``).
+        toolchain: The offline verifier toolchain shown to the attempt's commands (``"auto"``: the prepared one in
+            the cache directory, if any; :mod:`~tslightning.tasks.offline_toolchain`); not shown by backends that
+            cannot share a directory.
+        image: The task's image-lite environment (``"auto"``: built, or found in the cache, when the task's
+            environment needs a build; :mod:`~tslightning.tasks.image_attempt`), or ``None`` for the host's system.
+        allow_internet: The trainer lets tasks reach the internet: a task whose ``[environment]`` allows it
+            (``allow_internet``, ``network_mode = "public"``) gets the host's network for its agent's commands and
+            its verifier (bubblewrap). Default: every command offline, whatever the task says.
+
+    Raises:
+        ImageBuildError: the task's image could not be built.
     """
 
     def __init__(
@@ -33,29 +74,88 @@ class TerminalTaskAttempt:
         scheme: RewardScheme = "seta",
         make_attempt_sandbox: SandboxFactory | None = None,
         command_timeout_s: float = AGENT_COMMAND_TIMEOUT_S,
+        reward_key: str = DEFAULT_REWARD_KEY,
+        toolchain: Toolchain | Literal["auto"] | None = "auto",
+        image: ImageLite | Literal["auto"] | None = "auto",
+        allow_internet: bool = False,
     ) -> None:
         self.task = task
         self.scheme = scheme
-        self.attempt = task.open_attempt()
+        self.reward_key = reward_key
+        self.image: ImageLite | None = None
+        self.attempt = task.open_attempt(seed_app=False)
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
+            if isinstance(self.sandbox, ContainerSandbox):  # the task's own image, its /app as built
+                prepare_container(task, self.sandbox, allow_internet)
+            else:
+                self.image = image_for(task, image)
+                if self.image is None:
+                    task.seed_app(self.attempt)
+                else:
+                    enter_image(self.image, task, self.attempt, self.sandbox)
+            if allow_internet and task.environment.network == "public" and isinstance(self.sandbox, BubblewrapSandbox):
+                self.sandbox.agent_network = self.sandbox.verifier_network = True
+            self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
+            if self.toolchain is not None and self.sandbox.can_share:
+                attach(self.sandbox, self.toolchain)
         except BaseException:
+            if hasattr(self, "sandbox"):
+                self.sandbox.close()
             self.attempt.close()
             raise
+        self.command_timeout_s = command_timeout_s
         self.command_limits = task.agent_limits(command_timeout_s)
+        if isinstance(self.sandbox, LiveBubblewrapSandbox):
+            try:  # ready before the agent's first command (an image's service starts now), timed as set-up
+                self.sandbox.start(self.command_limits)
+            except BaseException:
+                self.close()
+                raise
         self.verification: VerifierResult | None = None
 
-    def run_command(self, command: str) -> CommandResult:
-        """Run one agent command in ``/app``; its failures come back in the result, never raised."""
-        return self.sandbox.run(command, limits=self.command_limits, mounts=("app",))
+    @property
+    def workdir(self) -> str:
+        """Where commands start: ``[environment] workdir``, else the image's ``WORKDIR``, else ``/app``."""
+        return self.task.workdir
 
-    def verify(self) -> float:
-        """Run the task's verifier on the attempt and return the reward (0 with a reason when it fails)."""
-        self.verification = run_verifier(self.task, self.sandbox, self.scheme)
+    def run_command(self, command: str) -> CommandResult:
+        """Run one agent command in the working directory; its failures come back in the result, never raised."""
+        return self.sandbox.run(
+            command, limits=self.command_limits, mounts=("app",), cwd=self.workdir, env=self.task.command_env
+        )
+
+    def run_solution(self, solution_dir: Path | None = None, timeout_s: float | None = None) -> CommandResult:
+        """Run the reference solution (the task's, or a step's ``solution_dir``) as the oracle agent."""
+        return run_reference_solution(self.task, self.sandbox, solution_dir, timeout_s)
+
+    def upload(self, source: Path, target: str) -> None:
+        """Copy the directory ``source``'s contents into ``target`` inside the environment (files the agent then
+        sees, e.g. a step's ``workdir/``).
+
+        Raises:
+            ValueError: ``target`` is not under ``/app`` (the only place this sandbox can write).
+        """
+        if isinstance(self.sandbox, ContainerSandbox):
+            self.sandbox.copy_into(str(source), target)
+            return
+        relative = posixpath.relpath(posixpath.normpath(target), APP)
+        if relative.startswith(".."):
+            raise ValueError(f"cannot place files at {target}: this environment shows only {APP}")
+        shutil.copytree(source, self.attempt.app / relative, symlinks=True, dirs_exist_ok=True)
+
+    def verify(self, tests: Path | None = None, settings: VerifierSettings | None = None) -> float:
+        """Run the task's verifier (or ``tests`` with ``settings``, a step's) and return the reward (0 with a
+        reason when it fails)."""
+        self.verification = run_verifier(self.task, self.sandbox, self.scheme, self.reward_key, tests, settings)
         return self.verification.reward
 
     def close(self) -> None:
-        self.attempt.close()
+        """End the attempt's environment (every process in it) and remove its directory."""
+        try:
+            self.sandbox.close()
+        finally:
+            self.attempt.close()
 
     def __enter__(self) -> TerminalTaskAttempt:
         return self

@@ -4,23 +4,42 @@ For each task two fresh attempts are made, each in its own sandbox attempt direc
 the *no-op* agent runs nothing, the *reference* agent runs ``solution/solve.sh``; the verifier then scores each.
 A task is valid when the reference scores a full pass (``p = 1``) and the no-op does not. Failing tasks are removed
 from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them with the verifier output's tail.
+
+Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
+or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
+``needs helper container``; see :mod:`~tslightning.tasks.environment_needs`), with the reason, and no attempt is run:
+a reference solution is never reported as failing when the environment is the cause. Build time (``-`` when the
+host stands in) and each attempt's set-up time (opening the environment until the agent could act) are reported.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tslightning.sandbox import AttemptDirectory, Backend, CommandResult, Sandbox, make_sandbox
-from tslightning.tasks.rewards import RewardScheme, max_reward
+from tslightning.sandbox import CommandResult
+from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
+from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
+from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
+from tslightning.tasks.task_steps import run_steps
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
-from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+from tslightning.tasks.verifier import VerifierResult
 
-SandboxFactory = Callable[[AttemptDirectory], Sandbox]
-"""Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
+__all__ = [
+    "SandboxFactory",
+    "TaskValidation",
+    "format_table",
+    "unmet_needs",
+    "library_dir",
+    "sandbox_factory",
+    "validate_task",
+    "validate_tasks",
+]
 
 
 @dataclass(frozen=True)
@@ -32,7 +51,10 @@ class TaskValidation:
         path: The task directory.
         noop: The verifier's verdict on the untouched environment (``None`` if it never ran).
         reference: The verifier's verdict after ``solution/solve.sh`` (``None`` if it never ran).
-        problems: Why the task is invalid; empty when it is valid.
+        problems: Why the task is invalid or cannot run here; empty when it is valid.
+        needs: What the environment needs when it cannot be provided here (``needs image``, ...), else ``None``.
+        build_s: Seconds spent building the environment (``None``: nothing was built).
+        setup_s: Mean seconds from opening an attempt until its agent could act (``None``: no attempt ran).
     """
 
     task: str
@@ -40,10 +62,21 @@ class TaskValidation:
     noop: VerifierResult | None = None
     reference: VerifierResult | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
+    needs: str | None = None
+    build_s: float | None = None
+    setup_s: float | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def status(self) -> str:
+        """``valid``, ``invalid``, or the environment's need (``needs image``, ``needs network at build``,
+        ``needs helper container``)."""
+        if self.needs is not None:
+            return self.needs
+        return "valid" if self.ok else "invalid"
 
 
 def library_dir() -> Path:
@@ -54,20 +87,24 @@ def library_dir() -> Path:
     return library
 
 
-def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
-    """A :data:`SandboxFactory` for a ``sandbox.backend`` name."""
-    return lambda attempt: make_sandbox(backend, attempt=attempt)
-
-
 def validate_task(
-    task_dir: Path, scheme: RewardScheme = "seta", make_attempt_sandbox: SandboxFactory | None = None
+    task_dir: Path,
+    scheme: RewardScheme = "seta",
+    make_attempt_sandbox: SandboxFactory | None = None,
+    reward_key: str = DEFAULT_REWARD_KEY,
+    allow_internet: bool = False,
+    containers: bool = False,
 ) -> TaskValidation:
-    """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt.
+    """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt (a
+    multi-step task: through all its steps, the reference running each step's solution).
 
     Args:
         task_dir: The task directory.
         scheme: Reward scheme the verdicts are reported in.
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
+        reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        allow_internet: Let a task that allows the internet reach it (see ``TerminalTaskAttempt``).
+        containers: The attempts run in a container engine (which builds or pulls the images itself).
     """
     factory = make_attempt_sandbox or sandbox_factory()
     try:
@@ -76,10 +113,62 @@ def validate_task(
         return TaskValidation(task=Path(task_dir).name, path=Path(task_dir), problems=tuple(error.problems))
     if task.solution_script is None:
         return TaskValidation(task.name, task.root, problems=("no solution/solve.sh to validate against",))
-    noop = _attempt(task, factory, scheme, run_solution=False)
-    reference = _attempt(task, factory, scheme, run_solution=True)
+    unmet = unmet_needs(task, containers)
+    if unmet is not None:
+        return TaskValidation(task.name, task.root, problems=unmet[1], needs=unmet[0])
+    image, build_s = None, None
+    if task.needs.status == "build" and not containers:
+        started = time.perf_counter()
+        try:
+            image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+        except ImageBuildError as error:
+            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",))
+        build_s = image.build_s if image.build_s else time.perf_counter() - started
+    (noop, noop_setup), (reference, reference_setup) = (
+        _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
+    )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
-    return TaskValidation(task.name, task.root, noop=noop, reference=reference, problems=tuple(problems))
+    return TaskValidation(
+        task.name,
+        task.root,
+        noop=noop,
+        reference=reference,
+        problems=tuple(problems),
+        build_s=build_s,
+        setup_s=(noop_setup + reference_setup) / 2,
+    )
+
+
+def unmet_needs(task: TerminalTask, containers: bool = False) -> tuple[str, tuple[str, ...]] | None:
+    """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
+
+    A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
+    the Dockerfile needs the build). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs
+    the network unless the offline toolchain is prepared (``tslightning tasks toolchain``). With ``containers`` (the
+    docker and podman backends) the engine builds or pulls every image; helper containers stay refused (compose is
+    not run).
+    """
+    needs = task.needs
+    if containers:
+        if needs.status != "needs helper container":
+            return None
+        return needs.status, (*needs.reasons, "compose is not run by the container backends; leave the task out")
+    fetch = fetches_toolchain(task.tests_dir) if find_toolchain() is None else None
+    if needs.status == "host" and fetch is not None:
+        reason = (
+            f"its tests download their toolchain ({fetch}) and the offline toolchain is not prepared: run "
+            f"`tslightning tasks toolchain {task.root.parent}` once (it fills {default_cache_dir()})"
+        )
+        return "needs network at build", (reason,)
+    if needs.status == "host":
+        return None
+    if needs.status == "build":
+        problem = builder_problem()
+        if problem is None:
+            return None
+        reasons = tuple(f"needs a build of its image ({r}), and {problem}" for r in needs.reasons)
+        return "needs image", reasons
+    return needs.status, needs.reasons
 
 
 def validate_tasks(
@@ -87,6 +176,9 @@ def validate_tasks(
     scheme: RewardScheme = "seta",
     workers: int = 2,
     make_attempt_sandbox: SandboxFactory | None = None,
+    reward_key: str = DEFAULT_REWARD_KEY,
+    allow_internet: bool = False,
+    containers: bool = False,
 ) -> list[TaskValidation]:
     """Validate every task under ``path`` (a task directory or a directory of them; default: the shipped library).
 
@@ -98,36 +190,76 @@ def validate_tasks(
         raise FileNotFoundError(f"no task directories (with a task.toml) under {path}")
     factory = make_attempt_sandbox or sandbox_factory()
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        return list(pool.map(lambda task_dir: validate_task(task_dir, scheme, factory), task_dirs))
+        return list(
+            pool.map(
+                lambda task_dir: validate_task(task_dir, scheme, factory, reward_key, allow_internet, containers),
+                task_dirs,
+            )
+        )
 
 
 def format_table(results: Sequence[TaskValidation]) -> str:
-    """A fixed-width table: task, no-op verdict, reference verdict, status; then each failure's problems."""
+    """A fixed-width table: task, no-op verdict, reference verdict, build and set-up seconds, status; then each
+    failure's problems."""
     width = max([len("task"), *(len(result.task) for result in results)])
-    lines = [f"{'task':<{width}}  {'no-op':<16}  {'reference':<16}  status", "-" * (width + 46)]
+    header = f"{'task':<{width}}  {'no-op':<16}  {'reference':<16}  {'build s':>7}  {'setup s':>7}  status"
+    lines = [header, "-" * (len(header) + 20)]
     for result in results:
-        status = "ok" if result.ok else "FAIL"
-        lines.append(f"{result.task:<{width}}  {_cell(result.noop):<16}  {_cell(result.reference):<16}  {status}")
+        cells = f"{_cell(result.noop):<16}  {_cell(result.reference):<16}"
+        times = f"{_seconds(result.build_s):>7}  {_seconds(result.setup_s):>7}"
+        status = "FAIL: invalid" if result.status == "invalid" else result.status
+        lines.append(f"{result.task:<{width}}  {cells}  {times}  {status}")
     failed = [result for result in results if not result.ok]
+    counts = {status: sum(r.status == status for r in results) for status in dict.fromkeys(r.status for r in results)}
     lines.append(f"\n{len(results) - len(failed)}/{len(results)} tasks valid")
+    if len(counts) > 1 or "valid" not in counts:
+        lines.append("by status: " + ", ".join(f"{status} {count}" for status, count in counts.items()))
     for result in failed:
         lines.append(f"\n{result.task} ({result.path}):")
         lines.extend(f"  - {problem}" for problem in result.problems)
     return "\n".join(lines)
 
 
-def _attempt(task: TerminalTask, factory: SandboxFactory, scheme: RewardScheme, run_solution: bool) -> VerifierResult:
-    with task.open_attempt() as attempt:
-        sandbox = factory(attempt)
+def _attempt(
+    task: TerminalTask,
+    factory: SandboxFactory,
+    scheme: RewardScheme,
+    reward_key: str,
+    run_solution: bool,
+    image: ImageLite | None,
+    allow_internet: bool,
+) -> tuple[VerifierResult, float]:
+    """The verdict of one attempt, and its set-up seconds."""
+    started = time.perf_counter()
+    with TerminalTaskAttempt(
+        task, scheme, factory, reward_key=reward_key, image=image, allow_internet=allow_internet
+    ) as attempt:
+        setup_s = time.perf_counter() - started
+        if task.multi_step:
+            return _steps_attempt(attempt, run_solution), setup_s
         solution_note = ""
         if run_solution:
-            solved = run_reference_solution(task, sandbox)
+            solved = attempt.run_solution()
             if not solved.ok:
                 solution_note = _solution_failure(solved)
-        result = run_verifier(task, sandbox, scheme)
+        attempt.verify()
+        result = attempt.verification
     if solution_note:  # keep the solution's own failure beside the verifier's verdict
-        return replace(result, reason=f"{result.reason}; {solution_note}")
-    return result
+        return replace(result, reason=f"{result.reason}; {solution_note}"), setup_s
+    return result, setup_s
+
+
+def _steps_attempt(attempt: TerminalTaskAttempt, run_solution: bool) -> VerifierResult:
+    notes: list[str] = []
+
+    def act(step, instruction: str) -> None:
+        if run_solution:
+            solved = attempt.run_solution(attempt.task.step_dir(step.name) / "solution", step.agent.timeout_sec)
+            if not solved.ok:
+                notes.append(f"step {step.name!r}: {_solution_failure(solved)}")
+
+    verdict, _ = run_steps(attempt, act)
+    return replace(verdict, reason="; ".join([verdict.reason, *notes]))
 
 
 def _noop_problems(noop: VerifierResult) -> list[str]:
@@ -157,6 +289,10 @@ def _cell(result: VerifierResult | None) -> str:
     if result.passed_fraction is None:
         return "error"
     return f"p={result.passed_fraction:.2f} r={result.reward:.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _indent(text: str, prefix: str) -> str:

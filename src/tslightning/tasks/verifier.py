@@ -1,9 +1,11 @@
 """Run a task's verifier on an attempt and turn its reward file into the trajectory's reward.
 
 The verifier runs after the agent is done, in the same attempt directory: ``tests/`` is copied in only now (the
-agent never sees it), ``bash /tests/test.sh`` runs with ``/app``, ``/tests`` and ``/logs/verifier`` visible and the
-task's ``[verifier] timeout_sec``, and the reward files it leaves in ``/logs/verifier`` are read
-(:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable reward file, scores 0 with a reason.
+agent never sees it), ``bash /tests/test.sh`` runs in the task's working directory with ``/app``, ``/tests`` and
+``/logs/verifier`` visible and the task's ``[verifier] timeout_sec``, and the reward files it leaves in
+``/logs/verifier`` are read (:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable
+reward file, scores 0 with a reason. In a live environment the verifier runs after it ended: nothing the agent left
+running survives into the verifier's run.
 
 **Reward integrity.** A verifier may execute files the agent wrote (``python3 /app/stats.py``), as the same user, so
 code the agent wrote runs beside the verifier. Layer by layer, what keeps it from changing the reported reward:
@@ -35,7 +37,9 @@ from pathlib import Path
 
 from tslightning.sandbox import CommandResult, Sandbox
 from tslightning.sandbox.file_tree import remove_tree
-from tslightning.tasks.rewards import RewardReading, RewardScheme, read_reward_files
+from tslightning.tasks.offline_toolchain import toolchain_env
+from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardReading, RewardScheme, read_reward_files
+from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import TerminalTask
 
 VERIFIER_COMMAND = "bash /tests/test.sh"
@@ -77,33 +81,61 @@ class VerifierResult:
         return self.output if len(self.output) <= chars else "..." + self.output[-chars:]
 
 
-def run_verifier(task: TerminalTask, sandbox: Sandbox, scheme: RewardScheme = "seta") -> VerifierResult:
+def run_verifier(
+    task: TerminalTask,
+    sandbox: Sandbox,
+    scheme: RewardScheme = "seta",
+    reward_key: str = DEFAULT_REWARD_KEY,
+    tests: Path | None = None,
+    settings: VerifierSettings | None = None,
+) -> VerifierResult:
     """Copy ``task``'s tests into the sandbox's attempt, run ``tests/test.sh`` there and score the reward file (see
-    "Reward integrity" in the module docstring)."""
+    "Reward integrity" in the module docstring).
+
+    Args:
+        task: The task.
+        sandbox: The attempt's sandbox.
+        scheme: Reward scheme of the pass fraction.
+        reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        tests: The tests directory to copy (default: the task's ``tests/``; a step's layered tests).
+        settings: The verifier's timeout and environment (default: the task's ``[verifier]``).
+    """
     attempt = sandbox.attempt
-    _fresh_copy(task.tests_dir, attempt.tests)
+    settings = settings or task.verifier
+    _fresh_copy(tests or task.tests_dir, attempt.tests)
     _fresh_copy(None, attempt.logs)  # only this run's reward files count
     result = sandbox.run(
         VERIFIER_COMMAND,
-        limits=task.verifier_limits(),
+        limits=task.sandbox_limits(settings.timeout_sec),
         mounts=("app", "tests", "logs"),
-        env=task.verifier.env or None,
+        cwd=task.workdir,
+        env=toolchain_env(sandbox, {**task.command_env, **settings.env}),
         verifier=True,
     )
-    return score_verifier_run(result, read_reward_files(attempt.logs), task.verifier.timeout_sec, scheme)
+    return score_verifier_run(result, read_reward_files(attempt.logs, reward_key), settings.timeout_sec, scheme)
 
 
-def run_reference_solution(task: TerminalTask, sandbox: Sandbox) -> CommandResult:
-    """Run ``solution/solve.sh`` as the oracle agent: ``/app`` and ``/oracle`` visible, the task's agent timeout."""
-    if task.solution_script is None:
+def run_reference_solution(
+    task: TerminalTask, sandbox: Sandbox, solution_dir: Path | None = None, timeout_s: float | None = None
+) -> CommandResult:
+    """Run ``solve.sh`` as the oracle agent: ``/app`` and ``/oracle`` visible, the task's agent timeout.
+
+    Args:
+        task: The task.
+        sandbox: The attempt's sandbox.
+        solution_dir: The solution to run (default: the task's ``solution/``; a step's own).
+        timeout_s: Its wall clock (default: ``[agent] timeout_sec``, else :data:`REFERENCE_TIMEOUT_S`).
+    """
+    if solution_dir is None and task.solution_script is None:
         raise FileNotFoundError(f"task {task.name!r} has no solution/solve.sh")
-    _fresh_copy(task.solution_dir, sandbox.attempt.oracle)
-    timeout = task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S
+    _refill(solution_dir or task.solution_dir, sandbox.attempt.oracle)
+    timeout = timeout_s or (task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S)
     return sandbox.run(
         ORACLE_COMMAND,
         limits=task.sandbox_limits(timeout),
         mounts=("app", "oracle"),
-        env=task.solution_env or None,
+        cwd=task.workdir,
+        env=toolchain_env(sandbox, {**task.command_env, **task.solution_env}),
     )
 
 
@@ -137,6 +169,17 @@ def _refusal(result: CommandResult, reading: RewardReading, timeout_s: float) ->
             f"commands ({names}) had been killed, so one of them may have written it"
         )
     return None
+
+
+def _refill(source: Path, target: Path) -> None:
+    """Replace ``target``'s contents with a copy of ``source``'s, keeping the directory itself (a live environment
+    shows it through a bind mount made when it started)."""
+    for child in list(target.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            remove_tree(child)
+        else:
+            child.unlink()
+    shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
 
 
 def _fresh_copy(source: Path | None, target: Path) -> None:

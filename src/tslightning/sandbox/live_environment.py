@@ -1,0 +1,268 @@
+"""One live environment per attempt: every agent command runs in the same bubblewrap sandbox, as in a Harbor
+container, and what a command leaves running (a server started with ``&``) is there for the next one.
+
+The environment starts at the first command: one bwrap with the namespaces, binds, seccomp filter and private
+``/tmp`` of :class:`~tslightning.sandbox.bubblewrap.BubblewrapSandbox`, whose pid 1 is
+:mod:`~tslightning.sandbox.session_init`. Each command is then one ``bash -c`` that pid 1 forks on request, in its
+own session, under the command's kernel limits, working directory and environment; memory and disk are watched over
+the whole environment (background processes included). On the host, each command is a small client process (what
+``supervise`` starts, drains, times out and kills): it hands its stdout, readiness and status descriptors to pid 1
+and waits for the command's exit code, so output bounds, time-outs and results are exactly those of the per-command
+backend. A killed client (time-out, output flood) makes pid 1 kill the command's process group.
+
+What each command sees: ``/app`` (writable) and ``/oracle`` (read-only; the reference solution, when one runs).
+A verifier run (``verifier=True``, or mounts beyond those two) first ends the environment, killing everything the
+agent left running, then runs in a fresh per-command sandbox with every protection of verifier runs (orphans killed,
+untraceable shell, ptrace refused), with ``/tests`` copied in only then. :meth:`close` (the attempt's end) ends it too;
+bwrap's ``--die-with-parent`` ends it if the trainer dies.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping
+
+from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.base import DEFAULT_PATH, command_environment, kernel_limits
+from tslightning.sandbox.bubblewrap import (
+    DEFAULT_UNPRIVILEGED_UID,
+    RUN_DIR,
+    BubblewrapSandbox,
+    _Descriptors,
+    _hand_over,
+    _unlock_mount_points,
+)
+from tslightning.sandbox.errors import SandboxError
+from tslightning.sandbox.limits import SandboxLimits
+from tslightning.sandbox.supervision import Launch
+
+LIVE_MOUNTS: tuple[Mount, ...] = ("app", "oracle")
+"""What the live environment shows; a command that needs more (a verifier's ``/tests``, ``/logs``) ends it."""
+START_TIMEOUT_S = 30.0
+END_TIMEOUT_S = 10.0
+_TMPFS_POINTS = ("/tmp", "/dev/shm")
+
+_CLIENT = """\
+import os, socket, sys
+connection = socket.socket(fileno=int(sys.argv[1]))
+socket.send_fds(connection, [b"."], [1, int(sys.argv[2]), int(sys.argv[3])])
+for fd in (1, int(sys.argv[2]), int(sys.argv[3])):
+    os.close(fd)
+reply = connection.recv(16)
+sys.exit(int(reply) if reply.strip().isdigit() else 125)
+"""
+"""The host side of one command: hand the descriptors over, wait for the exit code (125: the environment died)."""
+
+
+class LiveBubblewrapSandbox(BubblewrapSandbox):
+    """A :class:`BubblewrapSandbox` whose agent commands share one live environment (see the module docstring).
+
+    Args:
+        attempt: the attempt whose directories the commands see.
+        limits: the default limits of every ``run``; the environment's memory, disk and ``/tmp`` size are those of
+            the first command's limits.
+        unprivileged_uid: host uid of the sandbox when the trainer is root.
+
+    Raises:
+        SandboxUnavailableError: as :class:`BubblewrapSandbox`.
+    """
+
+    read_only_mounts: tuple[Mount, ...] = ("tests", "oracle")
+
+    def __init__(
+        self,
+        attempt: AttemptDirectory,
+        *,
+        limits: SandboxLimits | None = None,
+        unprivileged_uid: int = DEFAULT_UNPRIVILEGED_UID,
+    ) -> None:
+        super().__init__(attempt, limits=limits, unprivileged_uid=unprivileged_uid)
+        self._keeper: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._keeper_log = None
+        self._keeper_pid: int | None = None
+        """Host pid of the environment's pid 1 (bwrap's child)."""
+        self._lock = threading.Lock()
+        self.starts = 0
+        """How many times the environment was started (a verifier run ends it; the next agent command restarts)."""
+        self.startup: tuple[str, str, Mapping[str, str]] | None = None
+        """``(command, cwd, env)`` run in the background at every start of the environment (an image's ``CMD``)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the environment is running."""
+        return self._keeper is not None and self._keeper.poll() is None
+
+    def _launch(
+        self,
+        command: str,
+        *,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        ready_fd: int,
+        verifier: bool = False,
+    ) -> Launch:
+        if verifier or not set(mounts) <= set(LIVE_MOUNTS):
+            self.end()  # nothing the agent left running outlives into a verifier run
+            return super()._launch(
+                command, limits=limits, mounts=mounts, cwd=cwd, env=env, ready_fd=ready_fd, verifier=verifier
+            )
+        with self._lock:
+            self._ensure_live(limits)
+            return self._request(command, limits, cwd, env, ready_fd)
+
+    def start(self, limits: SandboxLimits | None = None) -> None:
+        """Start the environment now (and its start-up command) rather than at the first command; idempotent.
+
+        Raises:
+            SandboxError: it did not start (bwrap's or pid 1's message included).
+        """
+        with self._lock:
+            self._ensure_live(limits or self.limits)
+
+    def _ensure_live(self, limits: SandboxLimits) -> None:
+        if self._host_uid is not None:
+            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid)
+        _unlock_mount_points(self.attempt, LIVE_MOUNTS)
+        if not self.live:
+            self._start(limits)
+
+    def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
+        self._pin_keeper()
+        config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
+        config["env"] = dict(env)
+        host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = _Descriptors()  # the configuration (any command length) travels in a memory file
+        try:
+            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(request.data(marshal.dumps(config)))])
+        except OSError as error:
+            host_end.close()
+            raise SandboxError(f"the attempt's live environment stopped answering: {error}") from error
+        finally:
+            keeper_end.close()
+            request.close()
+        status_read, status_write = os.pipe()
+        client_fd = host_end.detach()
+        return Launch(
+            argv=[sys.executable, "-I", "-S", "-B", "-c", _CLIENT, str(client_fd), str(ready_fd), str(status_write)],
+            env={"PATH": DEFAULT_PATH},
+            pass_fds=(client_fd, status_write),
+            status_fd=status_read,
+        )
+
+    def _pin_keeper(self) -> None:
+        """Give pid 1 the calling thread's CPU affinity, so the command it forks next runs on the cores the caller
+        (a rollout worker) is pinned to, as a per-command sandbox would; nothing inside may change it (seccomp)."""
+        if self._keeper_pid is None:
+            return
+        try:
+            os.sched_setaffinity(self._keeper_pid, os.sched_getaffinity(0))
+        except OSError:
+            pass  # pid 1 is gone: the command's start reports it
+
+    def _start(self, limits: SandboxLimits) -> None:
+        """Start the environment's bwrap and wait until its pid 1 serves."""
+        passed = _Descriptors()
+        control, keeper_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        started_read, started_write = os.pipe()
+        passed.fds += [keeper_control.detach(), started_write]
+        try:
+            environment = {
+                "memory_bytes": limits.memory_bytes,
+                "disk_bytes": limits.disk_bytes,
+                "disk_paths": [MOUNT_POINTS[mount] for mount in LIVE_MOUNTS],
+                "tmpfs_paths": list(_TMPFS_POINTS),
+                "started_fd": started_write,
+            }
+            if self.startup is not None:
+                command, cwd, env = self.startup
+                environment["startup"] = {
+                    "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
+                    "env": command_environment(env),
+                }  # fmt: skip
+            options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed)
+            init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
+            init.append(passed.data(marshal.dumps(environment)))
+            options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
+            self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
+            self._keeper = subprocess.Popen(
+                [self._bwrap, "--args", options_fd, "--", *init],
+                stdin=subprocess.DEVNULL,
+                stdout=self._keeper_log,
+                stderr=subprocess.STDOUT,
+                env={"PATH": DEFAULT_PATH},
+                start_new_session=True,
+                pass_fds=tuple(passed.fds),
+                user=self._host_uid,
+                group=self._host_uid,
+                extra_groups=[] if self._host_uid is not None else None,
+            )
+        except BaseException:
+            control.close()
+            os.close(started_read)
+            raise
+        finally:
+            passed.close()
+        self._control = control
+        self.starts += 1
+        self._wait_started(started_read)
+
+    def _wait_started(self, started_read: int) -> None:
+        try:
+            ready, _, _ = select.select([started_read], [], [], START_TIMEOUT_S)
+            started = bool(ready) and os.read(started_read, 1) == b"."
+        finally:
+            os.close(started_read)
+        if not started:
+            log = self._log_tail()
+            self.end()
+            raise SandboxError(f"the attempt's live environment did not start: {log or 'no output'}")
+        self._keeper_pid = _first_child(self._keeper.pid)
+
+    def _log_tail(self) -> str:
+        if self._keeper_log is None:
+            return ""
+        self._keeper_log.seek(0)
+        return self._keeper_log.read().decode("utf-8", "replace").strip()[-2000:]
+
+    def end(self) -> None:
+        """End the environment: every process in it is killed (its pid 1 exits). Idempotent; the next agent command
+        starts a fresh one (files under ``/app`` stay)."""
+        with self._lock:
+            keeper, control, log = self._keeper, self._control, self._keeper_log
+            self._keeper = self._control = self._keeper_log = self._keeper_pid = None
+        if control is not None:
+            control.close()  # pid 1 reads EOF and exits; the kernel kills the rest of the namespace
+        if keeper is not None:
+            try:
+                keeper.wait(timeout=END_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(keeper.pid, 9)
+                keeper.wait()
+        if log is not None:
+            log.close()
+
+    def close(self) -> None:
+        self.end()
+
+
+def _first_child(pid: int) -> int | None:
+    """The first child of host process ``pid`` (bwrap's: the sandbox's pid 1), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            children = file.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+__all__ = ["LIVE_MOUNTS", "LiveBubblewrapSandbox"]

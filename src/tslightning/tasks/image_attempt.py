@@ -1,0 +1,61 @@
+"""An attempt inside a task's image-lite environment: ``/app`` seeded from the image, private writable copies, the
+sandbox in the image's root, and the image's start-up command running in the live environment.
+
+A task whose environment needs a build (:mod:`~tslightning.tasks.environment_needs`) gets its image from
+:func:`~tslightning.tasks.image_lite.build_image` (cached by content hash, so every attempt after the first finds
+it). Each attempt then sees the image's root read-only, its own copies of the image's ``/app``, working directory,
+``/root``, ``/home`` and ``/var/tmp`` writable, and the image's ``CMD`` started in the background when the
+environment starts (see :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Literal
+
+from tslightning.sandbox import AttemptDirectory, BubblewrapSandbox, LiveBubblewrapSandbox, Sandbox
+from tslightning.sandbox.errors import SandboxUnavailableError
+from tslightning.sandbox.root_filesystem import RootFilesystem
+from tslightning.tasks.image_lite import WRITABLE, ImageLite, build_image
+from tslightning.tasks.terminal_task import TerminalTask
+
+APP = "/app"
+
+
+def image_for(task: TerminalTask, image: ImageLite | Literal["auto"] | None) -> ImageLite | None:
+    """``image``, or with ``"auto"`` the task's built image when its environment needs a build (else ``None``).
+
+    Raises:
+        ImageBuildError: the build failed or cannot run here.
+    """
+    if image != "auto":
+        return image
+    if task.needs.status != "build" or task.dockerfile is None:
+        return None
+    return build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+
+
+def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory, sandbox: Sandbox) -> None:
+    """Prepare ``attempt`` and ``sandbox`` to run in ``image`` (see the module docstring).
+
+    Raises:
+        SandboxUnavailableError: the backend cannot run commands in a built root (only bubblewrap can).
+    """
+    if not isinstance(sandbox, BubblewrapSandbox):
+        raise SandboxUnavailableError(
+            f"task {task.name!r} runs in an image-lite environment, which needs sandbox.backend='bubblewrap'"
+        )
+    image_app = image.rootfs / APP.lstrip("/")
+    if image_app.is_dir():
+        shutil.copytree(image_app, attempt.app, symlinks=True, dirs_exist_ok=True)
+    writable = {}
+    for inside in dict.fromkeys([task.workdir, *WRITABLE]):
+        source = image.rootfs / inside.lstrip("/")
+        if inside in ("/", APP) or inside.startswith(f"{APP}/") or not source.is_dir():
+            continue
+        host = attempt.root / "image-rw" / inside.lstrip("/")
+        shutil.copytree(source, host, symlinks=True)
+        writable[inside] = host
+    sandbox.use_root(RootFilesystem(image.rootfs, writable))
+    if image.start_command and isinstance(sandbox, LiveBubblewrapSandbox):
+        sandbox.startup = (image.start_command, task.workdir, task.command_env)
