@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -51,3 +52,17 @@ def teacher64(_base_teacher):
 @pytest.fixture(scope="session")
 def vocab_size(_base_policy):
     return _base_policy.config.vocab_size
+
+
+@pytest.fixture(autouse=True)
+def _process_placement_is_given_back():
+    """Every test leaves the session's cores and torch thread count as it found them: an in-process engine started
+    later sizes its CPU kernels from them (vLLM's CPU attention aborts when they disagree). A test whose code keeps
+    them changed is reported (a warning naming the test) and the placement restored for the tests after it."""
+    before = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    after = os.sched_getaffinity(0), torch.get_num_threads()
+    if after != before:
+        os.sched_setaffinity(0, before[0])
+        torch.set_num_threads(before[1])
+        warnings.warn(f"the test left cores/threads {after}, not {before}: restored", stacklevel=1)

@@ -3,14 +3,16 @@ from (no warm start on resume, the run's own policy-0 kept)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import tslightning.loop.startup as startup
 from tslightning.loop.settings import InvalidSettingsError, ModelSettings, RolloutSettings, WarmStartSettings
-from tslightning.loop.startup import prepare_policy, select_tasks, training_tasks
+from tslightning.loop.startup import learner_cores, prepare_policy, select_tasks, training_tasks
 from tslightning.tasks.validation import library_dir
 
 
@@ -91,3 +93,14 @@ def test_a_resumed_run_skips_the_warm_start_and_keeps_its_policy_0(tmp_path, war
 def test_a_resume_into_a_new_directory_saves_the_engine_a_policy(tmp_path, warm_starts):
     _, _, policy_dir = _prepare(tmp_path, "elsewhere/update-3")
     assert warm_starts == [] and (policy_dir / "config.json").is_file()
+
+
+def test_learner_cores_gives_the_caller_its_cores_and_threads_back():
+    """fit pins its learner; run inside a larger process (a test session), it must not leave that process pinned."""
+    before = os.sched_getaffinity(0), torch.get_num_threads()
+    core = min(before[0])
+    with learner_cores([core]):
+        assert os.sched_getaffinity(0) == {core} and torch.get_num_threads() == 1
+    assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
+    with pytest.raises(ValueError, match="learner.cpus is empty"), learner_cores([]):
+        pass

@@ -49,6 +49,7 @@ from tslightning.loop.settings import (
 from tslightning.loop.startup import (
     agent_limits,
     launched_rank,
+    learner_cores,
     prepare_policy,
     rollout_datamodule,
     start_engine,
@@ -166,10 +167,11 @@ def fit(
     )
     fabric.launch()  # everything below runs once per learner rank, in one process group
     placement = launched_rank(fabric, learner)
-    policy, tokenizer, policy_dir = prepare_policy(
-        fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
-    )
     with contextlib.ExitStack() as started:
+        started.enter_context(learner_cores(placement.share(learner.cpus)))
+        policy, tokenizer, policy_dir = prepare_policy(
+            fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
+        )
         with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
             context = agent_limits(rollout, policy.config).max_context_tokens
             engine = started.enter_context(

@@ -4,8 +4,10 @@ engine, the OPD teacher and the rollout DataModule, and the learner's cores.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -354,14 +356,23 @@ def agent_limits(rollout: RolloutSettings, policy_config=None) -> AgentLimits:
     )
 
 
-def place_learner(cpus: list[int] | None) -> None:
-    """Bind this learner process to ``cpus`` (its share of ``learner.cpus``), one torch thread per core."""
+@contextlib.contextmanager
+def learner_cores(cpus: list[int] | None) -> Iterator[None]:
+    """Bind this learner process to ``cpus`` (its share of ``learner.cpus``), one torch thread per core, and give the
+    caller its cores and thread count back on exit (``fit`` may run inside a larger program, e.g. a test session)."""
     if cpus is None:
+        yield
         return
     if not cpus:
         raise ValueError("learner.cpus is empty; list at least one core, or null to leave placement alone")
+    before = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before[0])
+        torch.set_num_threads(before[1])
 
 
 def launched_rank(fabric, learner) -> RankPlacement:
@@ -380,6 +391,4 @@ def launched_rank(fabric, learner) -> RankPlacement:
             "engines after launch, or out of process)"
         )
     control_group()  # made here, where every rank is, not at a first control message
-    placement = RankPlacement(fabric.local_rank, learner.devices)
-    place_learner(placement.share(learner.cpus))
-    return placement
+    return RankPlacement(fabric.local_rank, learner.devices)
