@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from tslightning.callbacks import GPUClockCheckpoint
+from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, missing_parts
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
 
@@ -43,33 +45,64 @@ def resume_problems(resume: str | None, schedule: str) -> list[str]:
 def missing_checkpoint(resume: str | None) -> list[str]:
     """``resume`` as a missing path, unless it is a checkpoint directory (what a checkpoint holds is checked when it
     is restored)."""
-    if resume is None or (Path(resume) / STATE_FILE).is_file():
+    if resume is None or (Path(resume) / STATE_FILE).exists():
         return []
     parent = Path(resume).parent
-    found = sorted(p.name for p in parent.glob("update-*") if (p / STATE_FILE).is_file()) if parent.is_dir() else []
+    found = sorted(p.name for p in parent.glob("update-*") if (p / STATE_FILE).exists()) if parent.is_dir() else []
     where = f" (checkpoints in {parent}: {', '.join(found)})" if found else ""
     return [f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory{where}"]
 
 
-def unreadable_checkpoint(resume: str | None) -> list[str]:
-    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``state.pt`` is a whole torch zip
-    archive (a truncated one has no central directory) and ``meta.json`` parses. One line per damaged file, naming
-    it; the full load at restore checks the rest (:class:`~tslightning.callbacks.CheckpointError`)."""
-    if resume is None or not (Path(resume) / STATE_FILE).is_file():
+def unreadable_checkpoint(resume: str | None, learner: LearnerSettings | None = None) -> list[str]:
+    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``meta.json`` parses; a
+    replicated ``state.pt`` is a whole torch zip archive (a truncated one has no central directory), a sharded one
+    holds its strategy's index files; and the checkpoint's layout and world size are ``learner``'s. One line per
+    problem, naming the file or the setting; the full load at restore checks the rest
+    (:class:`~tslightning.callbacks.CheckpointError`)."""
+    if resume is None or not (Path(resume) / STATE_FILE).exists():
         return []
     path = Path(resume)
-    problems = []
-    if not zipfile.is_zipfile(path / STATE_FILE):
-        problems.append(
-            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
-            f"another update-<k> directory in {path.parent}"
-        )
     try:
-        json.loads((path / META_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        problems.append(f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory")
+        meta = None
+        problems = [f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory"]
+    else:
+        problems = [] if learner is None else _layout_problems(path, meta, learner)
+    layout = meta.get("layout", REPLICATED) if isinstance(meta, dict) else REPLICATED
+    if layout == REPLICATED and not zipfile.is_zipfile(path / STATE_FILE):
+        problems.insert(
+            0,
+            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
+            f"another update-<k> directory in {path.parent}",
+        )
+    elif layout != REPLICATED and (missing := missing_parts(path / STATE_FILE, layout)):
+        problems.insert(
+            0,
+            f"resume: {path / STATE_FILE} lacks {', '.join(missing)} of its {layout} shards (damaged); resume from "
+            f"another update-<k> directory in {path.parent}",
+        )
     return problems
+
+
+def _layout_problems(path: Path, meta: dict, learner: LearnerSettings) -> list[str]:
+    """A checkpoint of another layout, or a sharded one of another world size, named by the settings to change."""
+    layout = LAYOUTS.get(learner.strategy, learner.strategy)
+    mismatch = layout_mismatch(meta, layout, learner.world_size)
+    if mismatch is None:
+        return []
+    written = meta.get("layout", REPLICATED)
+    strategy = {REPLICATED: "ddp"}.get(written, written)
+    return [
+        f"resume: {path} cannot continue as learner.strategy {learner.strategy!r} on {learner.world_size} rank(s) "
+        f"(learner.devices × learner.num_nodes): {mismatch}; resume with learner.strategy {strategy}"
+        + (f" on {meta.get('world_size')} rank(s)" if written != REPLICATED else "")
+    ]
+
+
+LAYOUTS = {"auto": REPLICATED, "ddp": REPLICATED}
+"""The checkpoint layout of each ``learner.strategy`` (the others write their own name)."""
 
 
 def resume_from(path: str, fabric, module, optimizer, engine) -> int:

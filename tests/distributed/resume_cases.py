@@ -1,0 +1,89 @@
+"""Sharded checkpoints written and resumed by 2 ranks through Fabric: the runs ``test_sharded_resume.py`` launches.
+
+Run as ``python tests/distributed/resume_cases.py OUT STRATEGY PHASE`` (Fabric's launcher re-runs this command line
+for rank 1). Every rank replays the same synthetic GRPO logical batches through ``fit``'s own update
+(:func:`tslightning.loop.updates.one_update`) with a :class:`GPUClockCheckpoint` that writes every update, and saves
+the full θ after every update to ``OUT/<strategy>/<phase>/rank<r>.pt``.
+
+Phases: ``straight`` runs updates 0 .. UPDATES−1 from θ_0 (the uninterrupted run); ``resumed`` is a new process that
+builds θ_0 again, restores ``OUT/<strategy>/straight/checkpoints/update-<RESUME_AFTER>`` — the state a run killed
+after that update left — and runs the remaining updates, writing its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from multirank_cases import DTYPES, SHAPE, _set_up, _strategy, full_values, make_policy
+
+from tslightning.callbacks import GPUClockCheckpoint
+from tslightning.callbacks.checkpoint_state import restore_checkpoint
+from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
+from tslightning.core.replay_batches import synthetic_grpo_batch
+from tslightning.distributed.rank_assignment import split_replay_batch
+from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.loop.updates import one_update
+from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
+
+UPDATES = 4
+RESUME_AFTER = 1
+"""The straight run's checkpoint the resumed run starts from: written after update 1, i.e. killed after 2 updates."""
+
+
+def batches() -> list:
+    tokenizer = build_tokenizer()
+    vocab = build_tiny_model(TinyModelConfig(seed=0), tokenizer).config.vocab_size
+    generator = torch.Generator().manual_seed(23)
+    return [synthetic_grpo_batch(vocab, k, generator, SHAPE) for k in range(UPDATES)]
+
+
+def run(out: Path, fabric, phase: str, dtype: torch.dtype) -> dict:
+    """This rank's updates of ``phase``; the full θ after each (``thetas[k]``: after update k) and checkpoints."""
+    module = StreamingPolicyModule(
+        make_policy(dtype), "grpo", "thundersync", optimizer=OptimizerSettings(lr=1e-3), accumulator_dtype=dtype
+    )
+    optimizer = _set_up(fabric, module)
+    record = {"theta0": full_values(module), "thetas": {}, "first": 0}
+    if phase == "resumed":
+        checkpoint = out / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"
+        callbacks = checkpointed_callbacks(fabric)
+        point = restore_checkpoint(checkpoint, module, [optimizer], callbacks, fabric.global_rank, fabric)
+        record["first"] = point.next_update
+        record["restored"] = full_values(module)
+    fabric.call("on_train_start", trainer=fabric, pl_module=module)
+    for k, batch in enumerate(batches()):
+        if k < record["first"]:
+            continue
+        share = split_replay_batch(batch, fabric.world_size)[1][fabric.global_rank]
+        share = share.reordered(torch.Generator().manual_seed(100 * k + fabric.global_rank))
+        one_update(fabric, module, optimizer, iter(share.stream()), k)
+        record["thetas"][k] = full_values(module)
+    fabric.call("on_train_end", trainer=fabric, pl_module=module)
+    return record
+
+
+def main(out: str, strategy: str, phase: str) -> None:
+    import lightning as L
+
+    target = Path(out) / strategy
+    checkpointer = GPUClockCheckpoint(target / phase / "checkpoints", interval_s=1e-9, keep_last=None)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy), callbacks=[checkpointer])
+    fabric.launch()
+    try:
+        record = run(target, fabric, phase, DTYPES[strategy])
+    except Exception:
+        record = {"crash": traceback.format_exc()}
+    torch.save(record, target / phase / f"rank{fabric.global_rank}.pt")
+    print(f"rank {fabric.global_rank}: {strategy} {phase} done", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "crash" not in record:  # leave together (see multirank_cases._tear_down)
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
