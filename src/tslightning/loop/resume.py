@@ -14,7 +14,7 @@ from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, missing_parts
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
-from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.callbacks.weight_publisher import full_weights
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
@@ -116,7 +116,8 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
         point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
     except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
         raise InvalidSettingsError([str(error)]) from error
+    weights = full_weights(module.policy)  # every rank: sharded weights are gathered (a collective)
     if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
-        engine.publish(publishable_state_dict(module.policy), point.policy_version)
+        engine.publish(weights(), point.policy_version)
     fabric.barrier()
     return point.next_update
