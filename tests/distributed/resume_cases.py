@@ -7,7 +7,8 @@ the full θ after every update to ``OUT/<strategy>/<phase>/rank<r>.pt``.
 
 Phases: ``straight`` runs updates 0 .. UPDATES−1 from θ_0 (the uninterrupted run); ``resumed`` is a new process that
 builds θ_0 again, restores ``OUT/<strategy>/straight/checkpoints/update-<RESUME_AFTER>`` — the state a run killed
-after that update left — and runs the remaining updates, writing its own checkpoints.
+after that update left — with ``fit``'s :func:`~tslightning.loop.resume.resume_from` (which also publishes the
+restored θ to this rank's engine, here a recording one), and runs the remaining updates, writing its own checkpoints.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ import torch
 from multirank_cases import DTYPES, SHAPE, _set_up, _strategy, full_values, make_policy
 
 from tslightning.callbacks import GPUClockCheckpoint
-from tslightning.callbacks.checkpoint_state import restore_checkpoint
-from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.core.replay_batches import synthetic_grpo_batch
 from tslightning.distributed.rank_assignment import split_replay_batch
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
+from tslightning.loop.resume import resume_from
 from tslightning.loop.updates import one_update
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
@@ -40,6 +40,16 @@ def batches() -> list:
     return [synthetic_grpo_batch(vocab, k, generator, SHAPE) for k in range(UPDATES)]
 
 
+class _RecordingEngine:
+    """This rank's rollout engine: keeps what ``resume_from`` publishes."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def publish(self, state_dict, policy_version: int) -> None:
+        self.published.append((policy_version, {n: t.detach().to("cpu", copy=True) for n, t in state_dict.items()}))
+
+
 def run(out: Path, fabric, phase: str, dtype: torch.dtype) -> dict:
     """This rank's updates of ``phase``; the full θ after each (``thetas[k]``: after update k) and checkpoints."""
     module = StreamingPolicyModule(
@@ -47,12 +57,13 @@ def run(out: Path, fabric, phase: str, dtype: torch.dtype) -> dict:
     )
     optimizer = _set_up(fabric, module)
     record = {"theta0": full_values(module), "thetas": {}, "first": 0}
-    if phase == "resumed":
-        checkpoint = out / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"
-        callbacks = checkpointed_callbacks(fabric)
-        point = restore_checkpoint(checkpoint, module, [optimizer], callbacks, fabric.global_rank, fabric)
-        record["first"] = point.next_update
+    if phase == "resumed":  # fit's own resume: restore, then every rank's engine serves the restored θ
+        engine = _RecordingEngine()
+        record["first"] = resume_from(
+            str(out / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"), fabric, module, optimizer, engine
+        )
         record["restored"] = full_values(module)
+        record["published"] = engine.published
     fabric.call("on_train_start", trainer=fabric, pl_module=module)
     for k, batch in enumerate(batches()):
         if k < record["first"]:

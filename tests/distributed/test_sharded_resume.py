@@ -3,7 +3,7 @@ ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, 
 
 Each strategy launches ``resume_cases.py`` twice (Fabric re-runs the command line for rank 1): the uninterrupted run,
 which checkpoints every update, then a new process that restores its ``update-1`` (what a run killed between updates
-1 and 2 left) and runs updates 2 and 3 on the same recorded batches.
+1 and 2 left) with ``fit``'s ``resume_from`` and runs updates 2 and 3 on the same recorded batches.
 """
 
 from __future__ import annotations
@@ -66,10 +66,15 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(runs):
     out, strategy = runs
     straight, resumed = _ranks(out, strategy, "straight"), _ranks(out, strategy, "resumed")
     assert all(r["thetas"][0].dtype == torch.float64 for r in straight)  # full_values: float64 copies
+    theta = straight[0]["thetas"][RESUME_AFTER]
     for record in resumed:
         assert record["first"] == RESUME_AFTER + 1
-        assert not torch.equal(record["theta0"], straight[0]["thetas"][RESUME_AFTER])  # it had to restore
-        assert torch.equal(record["restored"], straight[0]["thetas"][RESUME_AFTER])
+        assert not torch.equal(record["theta0"], theta)  # it had to restore
+        assert torch.equal(record["restored"], theta)
+        ((version, published),) = record["published"]  # each rank's engine got the full restored θ, once
+        served = StreamingPolicyModule(make_policy(DTYPES[strategy]), "grpo", "thundersync")
+        served.policy.load_state_dict(published)
+        assert version == RESUME_AFTER + 1 and torch.equal(served.layout.values(), theta)
     for k in range(RESUME_AFTER + 1, UPDATES):
         assert float((straight[0]["thetas"][k] - straight[0]["thetas"][k - 1]).norm()) > 0  # the update moved θ
         for rank in (0, 1):  # AdamW moments and step counts restored too: a fresh optimizer would step differently

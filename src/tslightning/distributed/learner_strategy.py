@@ -21,9 +21,9 @@ has no float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partit
 layer in a collective, so the ranks serve their sources in lock-step ticks, :mod:`tslightning.distributed.lockstep`,
 with the ``recompute`` context backward) stream exactly on several ranks; their GPU-clock checkpoints are sharded,
 every rank writing its partition (:mod:`tslightning.callbacks.checkpoint_layout`), and resume on the same strategy
-and number of ranks. ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's ``ModelParallelStrategy``
-(:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like ZeRO-3 it serves sources in
-lock-step.
+and number of ranks. ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's
+``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like
+ZeRO-3 it serves sources in lock-step, and its checkpoints are sharded too.
 """
 
 from __future__ import annotations
