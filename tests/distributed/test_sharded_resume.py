@@ -19,6 +19,7 @@ import torch
 from multirank_cases import DTYPES, make_policy
 from resume_cases import RESUME_AFTER, UPDATES
 
+from tslightning.callbacks.checkpoint_layout import consolidated_module_state
 from tslightning.callbacks.checkpoint_state import CheckpointError, policy_hash, read_meta, restore_checkpoint
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.learner.streaming_module import StreamingPolicyModule
@@ -119,3 +120,13 @@ def test_a_sharded_checkpoint_refuses_another_process_count_or_strategy(runs):
     module = StreamingPolicyModule(make_policy(DTYPES[strategy]), "grpo", "thundersync")
     with pytest.raises(CheckpointError, match="shards are for 2 ranks and this run has 1"):
         restore_checkpoint(checkpoint, module, [], fabric=fabric)
+
+
+def test_a_sharded_checkpoint_reads_back_whole_in_one_process(runs):
+    """What `tslightning validate` exports: the shards of both ranks joined without a process group."""
+    out, strategy = runs
+    checkpoint = out / strategy / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"
+    state = consolidated_module_state(checkpoint / "state.pt", strategy)
+    module = StreamingPolicyModule(make_policy(DTYPES[strategy]), "grpo", "thundersync")
+    module.load_state_dict(state, strict=True)
+    assert torch.equal(module.layout.values(), _ranks(out, strategy, "straight")[0]["thetas"][RESUME_AFTER])

@@ -115,3 +115,31 @@ def _model_and_optimizers(fabric: Any, module: Any) -> tuple[torch.nn.Module, li
             "fabric.setup(module, optimizer) (one engine per module)"
         )
     return engine, [engine.optimizer]
+
+
+def consolidated_module_state(state: Path, layout: str) -> dict[str, torch.Tensor]:
+    """The module's whole state dict from a sharded ``state`` directory, read in one process without a process group
+    (the shards of every rank joined): what exporting or evaluating a checkpoint needs. The optimizer state is not
+    read under FSDP2; DeepSpeed's ``zero_to_fp32`` reads the float32 master partitions.
+
+    Raises:
+        ValueError: For the ``replicated`` layout (``torch.load`` the file instead) or an unknown one.
+    """
+    if layout == FSDP:
+        import torch.distributed.checkpoint as dcp
+
+        reader = dcp.FileSystemReader(str(state))
+        prefix = f"{_MODEL_KEY}."
+        entries = reader.read_metadata().state_dict_metadata
+        template = {
+            key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            for key, entry in entries.items()
+            if key.startswith(prefix) and hasattr(entry, "size")
+        }
+        dcp.load(template, storage_reader=reader, no_dist=True)
+        return {key.removeprefix(prefix): tensor for key, tensor in template.items()}
+    if layout in SHARDED_LAYOUTS:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(state), tag="checkpoint"))
+    raise ValueError(f"consolidated_module_state reads a sharded layout ({', '.join(SHARDED_LAYOUTS)}); got {layout!r}")
