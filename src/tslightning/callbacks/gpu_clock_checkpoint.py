@@ -247,8 +247,8 @@ class GPUClockCheckpoint(UpdateCallback):
 
     def _write(self, fabric: Any, module: Any, final: Path, update: int, gpu_clock_s: float) -> str | None:
         """Every rank writes its RNG state into ``.tmp-<name>`` and hands the state to the strategy (rank 0 writes the
-        replicated ``state.pt``; a sharded strategy has every rank write its shards); every rank hashes the full
-        trainable weights (a collective when they are sharded); rank 0 then writes ``meta.json`` and renames the
+        replicated ``state.pt``; a sharded strategy has every rank write its shards); rank 0 hashes the full
+        trainable weights (every rank joins the gathers of sharded ones), writes ``meta.json`` and renames the
         directory to ``final``. Returns rank 0's verdict on every rank: ``None``, or what failed (the temporary
         directory is then gone). A rank failing inside the strategy's collective save fails the others there."""
         strategy, rank = fabric.strategy, fabric.global_rank
@@ -259,13 +259,16 @@ class GPUClockCheckpoint(UpdateCallback):
             error = _attempt(lambda: save_file(rng_states(), tmp / rng_file(rank)))
         if error is None:  # no barrier inside (unlike fabric.save), so a failed write is agreed on below
             error = _attempt(lambda: strategy.save_checkpoint(tmp / STATE_FILE, self._state(fabric, module, update)))
-        digest = policy_hash(getattr(module, "policy", module))  # every rank: sharded weights are gathered
+        digest: list[str] = []  # rank 0 hashes; every rank takes part when the weights are sharded (gathers)
+        if rank == 0 or layout_of(strategy) != REPLICATED:
+            hashed = _attempt(lambda: digest.append(policy_hash(getattr(module, "policy", module))))
+            error = error or hashed
         all_ok = strategy.reduce_boolean_decision(error is None, all=True)  # also the barrier before rank 0 renames
         if rank == 0:
             if error is None and not all_ok:
                 error = "another rank failed to write its part"
             if error is None:
-                meta = self._meta(fabric, module, update, gpu_clock_s, digest)
+                meta = self._meta(fabric, module, update, gpu_clock_s, digest[0])
                 error = _attempt(lambda: self._install(meta, tmp, final))
             if error is not None:
                 shutil.rmtree(tmp, ignore_errors=True)

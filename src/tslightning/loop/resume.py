@@ -53,11 +53,15 @@ def missing_checkpoint(resume: str | None) -> list[str]:
     return [f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory{where}"]
 
 
+LAYOUTS = {"auto": REPLICATED, "ddp": REPLICATED}
+"""The checkpoint layout each ``learner.strategy`` writes (the sharded ones write their own name)."""
+
+
 def unreadable_checkpoint(resume: str | None, learner: LearnerSettings | None = None) -> list[str]:
-    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``meta.json`` parses; a
-    replicated ``state.pt`` is a whole torch zip archive (a truncated one has no central directory), a sharded one
-    holds its strategy's index files; and the checkpoint's layout and world size are ``learner``'s. One line per
-    problem, naming the file or the setting; the full load at restore checks the rest
+    """Cheap checks of a ``resume`` checkpoint before anything is built or written: a replicated ``state.pt`` is a
+    whole torch zip archive (a truncated one has no central directory), a sharded one holds its strategy's index
+    files; ``meta.json`` parses; and the checkpoint's layout and world size are ``learner``'s. One line per problem,
+    naming the file or the setting; the full load at restore checks the rest
     (:class:`~tslightning.callbacks.CheckpointError`)."""
     if resume is None or not (Path(resume) / STATE_FILE).exists():
         return []
@@ -66,43 +70,39 @@ def unreadable_checkpoint(resume: str | None, learner: LearnerSettings | None = 
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        meta = None
-        problems = [f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory"]
-    else:
-        problems = [] if learner is None else _layout_problems(path, meta, learner)
-    layout = meta.get("layout", REPLICATED) if isinstance(meta, dict) else REPLICATED
+        meta_problems = [f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory"]
+        return _state_problems(path, REPLICATED) + meta_problems
+    meta = meta if isinstance(meta, dict) else {}
+    problems = _state_problems(path, meta.get("layout", REPLICATED))
+    return problems + (_layout_problems(path, meta, learner) if learner is not None else [])
+
+
+def _state_problems(path: Path, layout: str) -> list[str]:
+    """``state.pt`` of checkpoint ``path`` as ``layout`` would leave it, or one line naming what is damaged."""
     if layout == REPLICATED and not zipfile.is_zipfile(path / STATE_FILE):
-        problems.insert(
-            0,
+        return [
             f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
-            f"another update-<k> directory in {path.parent}",
-        )
-    elif layout != REPLICATED and (missing := missing_parts(path / STATE_FILE, layout)):
-        problems.insert(
-            0,
+            f"another update-<k> directory in {path.parent}"
+        ]
+    if layout != REPLICATED and (missing := missing_parts(path / STATE_FILE, layout)):
+        return [
             f"resume: {path / STATE_FILE} lacks {', '.join(missing)} of its {layout} shards (damaged); resume from "
-            f"another update-<k> directory in {path.parent}",
-        )
-    return problems
+            f"another update-<k> directory in {path.parent}"
+        ]
+    return []
 
 
 def _layout_problems(path: Path, meta: dict, learner: LearnerSettings) -> list[str]:
     """A checkpoint of another layout, or a sharded one of another world size, named by the settings to change."""
-    layout = LAYOUTS.get(learner.strategy, learner.strategy)
-    mismatch = layout_mismatch(meta, layout, learner.world_size)
+    mismatch = layout_mismatch(meta, LAYOUTS.get(learner.strategy, learner.strategy), learner.world_size)
     if mismatch is None:
         return []
     written = meta.get("layout", REPLICATED)
-    strategy = {REPLICATED: "ddp"}.get(written, written)
+    fix = "ddp" if written == REPLICATED else f"{written} on {meta.get('world_size')} rank(s)"
     return [
         f"resume: {path} cannot continue as learner.strategy {learner.strategy!r} on {learner.world_size} rank(s) "
-        f"(learner.devices × learner.num_nodes): {mismatch}; resume with learner.strategy {strategy}"
-        + (f" on {meta.get('world_size')} rank(s)" if written != REPLICATED else "")
+        f"(learner.devices × learner.num_nodes): {mismatch}; resume with learner.strategy {fix}"
     ]
-
-
-LAYOUTS = {"auto": REPLICATED, "ddp": REPLICATED}
-"""The checkpoint layout of each ``learner.strategy`` (the others write their own name)."""
 
 
 def resume_from(path: str, fabric, module, optimizer, engine) -> int:
