@@ -8,7 +8,8 @@ the full θ after every update to ``OUT/<strategy>/<phase>/rank<r>.pt``.
 Phases: ``straight`` runs updates 0 .. UPDATES−1 from θ_0 (the uninterrupted run); ``resumed`` is a new process that
 builds θ_0 again, restores ``OUT/<strategy>/straight/checkpoints/update-<RESUME_AFTER>`` — the state a run killed
 after that update left — with ``fit``'s :func:`~tslightning.loop.resume.resume_from` (which also publishes the
-restored θ to this rank's engine, here a recording one), and runs the remaining updates, writing its own checkpoints.
+restored θ to this rank's engine, here a recording one), and runs the remaining updates, writing its own checkpoints;
+``resumed-one-rank`` does the same on one rank (FSDP2 only: its checkpoint reshards).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from multirank_cases import DTYPES, SHAPE, _set_up, _strategy, full_values, make
 
 from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.core.replay_batches import synthetic_grpo_batch
+from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.distributed.rank_assignment import split_replay_batch
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.loop.resume import resume_from
@@ -57,7 +59,7 @@ def run(out: Path, fabric, phase: str, dtype: torch.dtype) -> dict:
     )
     optimizer = _set_up(fabric, module)
     record = {"theta0": full_values(module), "thetas": {}, "first": 0}
-    if phase == "resumed":  # fit's own resume: restore, then every rank's engine serves the restored θ
+    if phase.startswith("resumed"):  # fit's own resume: restore, then every rank's engine serves the restored θ
         engine = _RecordingEngine()
         record["first"] = resume_from(
             str(out / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"), fabric, module, optimizer, engine
@@ -81,7 +83,12 @@ def main(out: str, strategy: str, phase: str) -> None:
 
     target = Path(out) / strategy
     checkpointer = GPUClockCheckpoint(target / phase / "checkpoints", interval_s=1e-9, keep_last=None)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy), callbacks=[checkpointer])
+    if phase == "resumed-one-rank":  # FSDP2 only: torch.distributed.checkpoint reshards onto 1 rank
+        devices = 1
+        sharding = learner_strategy(LearnerSettings(devices=1, strategy=strategy, timeout_s=30), "cpu")
+    else:
+        devices, sharding = 2, _strategy(strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=sharding, callbacks=[checkpointer])
     fabric.launch()
     try:
         record = run(target, fabric, phase, DTYPES[strategy])

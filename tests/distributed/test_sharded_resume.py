@@ -1,5 +1,6 @@
 """Sharded GPU-clock checkpoints on 2 gloo ranks (SPEC §4): a run killed after update 1 and resumed in a new process
-ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, DeepSpeed ZeRO-3 in float32.
+ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, DeepSpeed ZeRO-3 in float32; FSDP2's
+checkpoint also resumes on 1 rank (resharded), DeepSpeed's only on the process count that wrote it.
 
 Each strategy launches ``resume_cases.py`` twice (Fabric re-runs the command line for rank 1): the uninterrupted run,
 which checkpoints every update, then a new process that restores its ``update-1`` (what a run killed between updates
@@ -33,6 +34,7 @@ SHARDS = {
 
 
 def _launch(out: Path, strategy: str, phase: str) -> None:
+    """One phase of ``resume_cases.py`` (2 ranks; ``resumed-one-rank``: 1)."""
     script = Path(__file__).with_name("resume_cases.py")
     pythonpath = os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
@@ -45,8 +47,8 @@ def _launch(out: Path, strategy: str, phase: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def _ranks(out: Path, strategy: str, phase: str) -> list[dict]:
-    records = [torch.load(out / strategy / phase / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+def _ranks(out: Path, strategy: str, phase: str, ranks: int = 2) -> list[dict]:
+    records = [torch.load(out / strategy / phase / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
     for record in records:
         assert "crash" not in record, record.get("crash")
     return records
@@ -60,6 +62,8 @@ def runs(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     _launch(out, request.param, "straight")
     _launch(out, request.param, "resumed")
+    if request.param == "fsdp":
+        _launch(out, request.param, "resumed-one-rank")
     return out, request.param
 
 
@@ -105,15 +109,38 @@ def test_every_rank_writes_its_shards_and_the_hash_is_of_the_full_weights(runs):
     )
 
 
-def test_a_sharded_checkpoint_refuses_another_process_count_or_strategy(runs):
+def test_fsdp2_resumes_on_another_process_count(runs):
+    """torch.distributed.checkpoint reshards FSDP2's state onto the ranks that load it: the 2-rank checkpoint resumed
+    on 1 rank continues the uninterrupted 2-rank run (float64: the same update, summed in another order)."""
     out, strategy = runs
+    if strategy != "fsdp":
+        pytest.skip("DeepSpeed checkpoints resume on the process count that wrote them")
+    straight = _ranks(out, strategy, "straight")[0]
+    (one_rank,) = _ranks(out, strategy, "resumed-one-rank", ranks=1)
+    assert one_rank["first"] == RESUME_AFTER + 1 and torch.equal(one_rank["restored"], straight["thetas"][RESUME_AFTER])
+    for k in range(RESUME_AFTER + 1, UPDATES):
+        step = (straight["thetas"][k] - straight["thetas"][k - 1]).norm()
+        assert float((one_rank["thetas"][k] - straight["thetas"][k]).norm() / step) <= 1e-10, k
+    checkpoint = out / strategy / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"
+    for devices in (1, 2, 4):  # fit's preflight takes it on any process count; another strategy is refused
+        assert unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=devices, strategy=strategy)) == []
+    (other_strategy,) = unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=2, strategy="ddp"))
+    assert "written in the 'fsdp' layout and this run writes 'replicated'; resume with learner.strategy fsdp" in (
+        other_strategy
+    )
+
+
+def test_a_deepspeed_checkpoint_refuses_another_process_count_or_strategy(runs):
+    out, strategy = runs
+    if strategy == "fsdp":
+        pytest.skip("FSDP2 checkpoints reshard (test_fsdp2_resumes_on_another_process_count)")
     checkpoint = out / strategy / "straight" / "checkpoints" / f"update-{RESUME_AFTER}"
     assert unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=2, strategy=strategy)) == []
     (other_count,) = unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=4, strategy=strategy))
     assert f"shards are for 2 ranks and this run has 4; resume with learner.strategy {strategy} on 2" in other_count
     assert "learner.devices" in other_count and "\n" not in other_count
-    (other_strategy,) = unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=2, strategy="ddp"))
-    assert f"written in the '{strategy}' layout and this run writes 'replicated'" in other_strategy
+    (other_strategy,) = unreadable_checkpoint(str(checkpoint), LearnerSettings(devices=2, strategy="fsdp"))
+    assert f"written in the '{strategy}' layout and this run writes 'fsdp'" in other_strategy
     # restore_checkpoint itself (outside fit) refuses before loading anything
     fabric = SimpleNamespace(strategy=learner_strategy(LearnerSettings(devices=1, strategy=strategy), "cpu"))
     fabric.world_size = 1

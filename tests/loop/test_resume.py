@@ -145,20 +145,22 @@ def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, dam
     assert exit_info.value.code == 2 and str(broken) in line and "Traceback" not in line
 
 
-def _sharded_checkpoint(root: Path, layout: str = "fsdp", world_size: int = 2) -> Path:
-    """An ``update-3`` directory as FSDP2 ranks leave it (torch.distributed.checkpoint files in ``state.pt/``)."""
+def _sharded_checkpoint(root: Path, layout: str = "deepspeed_stage_2", world_size: int = 2) -> Path:
+    """An ``update-3`` directory as 2 DeepSpeed ranks leave it (the engine's checkpoint in ``state.pt/``)."""
     checkpoint = root / "checkpoints" / "update-3"
-    (checkpoint / "state.pt").mkdir(parents=True)
-    for name in (".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"):
-        (checkpoint / "state.pt" / name).write_bytes(b"shard")
-    meta = {"policy_hash": "sha256:0", "layout": layout, "world_size": world_size, "strategy": "ModelParallelStrategy"}
+    (checkpoint / "state.pt" / "checkpoint").mkdir(parents=True)
+    (checkpoint / "state.pt" / "latest").write_text("checkpoint")
+    for rank in range(world_size):
+        (checkpoint / "state.pt" / "checkpoint" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"s")
+    meta = {"policy_hash": "sha256:0", "layout": layout, "world_size": world_size, "strategy": "DeepSpeedStrategy"}
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     return checkpoint
 
 
 @pytest.mark.parametrize(
     ("strategy", "devices", "named"),
-    [("fsdp", 1, "on 1 rank(s) (learner.devices × learner.num_nodes): its 'fsdp' shards are for 2 ranks"),
+    [("deepspeed_stage_2", 1, "on 1 rank(s) (learner.devices × learner.num_nodes): its 'deepspeed_stage_2' shards are "
+      "for 2 ranks"),
      ("ddp", 2, "learner.strategy 'ddp' on 2 rank(s)")],
 )  # fmt: skip
 def test_a_sharded_checkpoint_on_another_process_count_or_strategy_is_refused_before_any_work(
@@ -170,14 +172,14 @@ def test_a_sharded_checkpoint_on_another_process_count_or_strategy_is_refused_be
         fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), learner=learner, progress=False)
     (problem,) = info.value.problems
     assert problem.startswith(f"resume: {checkpoint} cannot continue as") and named in problem
-    assert "resume with learner.strategy fsdp on 2 rank(s)" in problem and "\n" not in problem
+    assert "resume with learner.strategy deepspeed_stage_2 on 2 rank(s)" in problem and "\n" not in problem
     assert not (tmp_path / "run").exists()
 
 
 def test_a_sharded_checkpoint_missing_its_index_is_named_before_any_work(tmp_path):
     checkpoint = _sharded_checkpoint(tmp_path)
-    (checkpoint / "state.pt" / ".metadata").unlink()
-    learner = LearnerSettings(devices=2, strategy="fsdp")
-    with pytest.raises(InvalidSettingsError, match=rf"resume: {checkpoint / 'state.pt'} lacks \.metadata of its fsdp"):
+    (checkpoint / "state.pt" / "latest").unlink()
+    learner = LearnerSettings(devices=2, strategy="deepspeed_stage_2")
+    with pytest.raises(InvalidSettingsError, match=rf"resume: {checkpoint / 'state.pt'} lacks latest of its deepspeed"):
         fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), learner=learner, progress=False)
     assert not (tmp_path / "run").exists()

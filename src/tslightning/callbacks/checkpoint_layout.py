@@ -11,7 +11,8 @@ back through ``fabric.load``; what ``state.pt`` is on disk depends on the strate
 * ``deepspeed_stage_2`` / ``deepspeed_stage_3``: a DeepSpeed checkpoint directory (``latest``, ``checkpoint/``) —
   the engine writes the module and each rank its optimizer partition; the rest is DeepSpeed's client state.
 
-A sharded layout resumes on the layout and number of ranks that wrote it: ``meta.json`` records both, and
+A checkpoint resumes on the layout that wrote it; ``fsdp`` on any number of ranks (torch.distributed.checkpoint
+reshards it onto the loading ranks), DeepSpeed's only on the number that wrote it. ``meta.json`` records both, and
 :func:`layout_mismatch` says what differs (``fit`` refuses it before anything is written).
 """
 
@@ -26,6 +27,8 @@ from lightning.fabric.wrappers import _unwrap_objects
 REPLICATED = "replicated"
 FSDP = "fsdp"
 SHARDED_LAYOUTS = (FSDP, "deepspeed_stage_2", "deepspeed_stage_3")
+_FIXED_WORLD_SIZE = ("deepspeed_stage_2", "deepspeed_stage_3")
+"""Layouts that load only on the number of ranks that wrote them (torch.distributed.checkpoint reshards ``fsdp``)."""
 _MODEL_KEY = "state_dict"
 _MARKERS = {FSDP: (".metadata", "meta.pt"), "deepspeed_stage_2": ("latest",), "deepspeed_stage_3": ("latest",)}
 """Files a complete sharded ``state.pt`` directory holds (what a cheap check before a resume can look for)."""
@@ -59,7 +62,7 @@ def layout_mismatch(meta: dict[str, Any], layout: str, world_size: int) -> str |
     ranks = meta.get("world_size")
     if written != layout:
         return f"it was written in the {written!r} layout and this run writes {layout!r}"
-    if written in SHARDED_LAYOUTS and ranks != world_size:
+    if written in _FIXED_WORLD_SIZE and ranks != world_size:
         return f"its {written!r} shards are for {ranks} ranks and this run has {world_size}"
     return None
 

@@ -17,8 +17,8 @@ It is assembled in ``.tmp-update-<k>`` beside it and renamed into place with ``o
 every rank holds the full θ and AdamW state, which publication relies on too — so ``state.pt`` is rank 0's file,
 which ``torch.load`` reads without Lightning too. Under FSDP2 and DeepSpeed ZeRO ``state.pt`` is the strategy's
 sharded directory, every rank writing its shards (:mod:`tslightning.callbacks.checkpoint_layout`); ``meta.json``
-then records the ``layout`` and ``world_size`` it resumes on. A file that cannot be read, or lacks a field, raises
-:class:`CheckpointError` naming the file and what is wrong.
+then records the ``layout`` and ``world_size`` (DeepSpeed's shards resume on that many ranks only). A file that
+cannot be read, or lacks a field, raises :class:`CheckpointError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -226,8 +226,8 @@ def restore_checkpoint(
         callbacks: Callbacks whose ``state_key`` appears in the checkpoint get their ``load_state_dict`` called.
         rank: Global rank of this process: it restores ``rng-rank<rank>.pt`` (rank 0's file when there is none).
         fabric: Read ``state.pt`` through ``fabric.load`` (its strategy's CheckpointIO); ``None``: ``torch.load``.
-            Required for a sharded checkpoint, whose strategy and world size it must match (every rank calls this
-            then: loading and hashing sharded weights are collectives).
+            Required for a sharded checkpoint, whose layout (and DeepSpeed's world size) it must match (every rank
+            calls this then: loading and hashing sharded weights are collectives).
 
     Raises:
         FileNotFoundError: If ``path`` is not a complete checkpoint directory.

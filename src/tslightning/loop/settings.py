@@ -231,9 +231,9 @@ class CheckpointSettings:
     save_last: bool = True
     """Also checkpoint the final update."""
     enabled: bool = True
-    """Write checkpoints at all. Under ``fsdp`` and ``deepspeed_stage_*`` every rank writes its shards (the
-    checkpoint then resumes on the same ``learner.strategy`` and number of ranks only); under ``ddp`` rank 0 writes
-    the replicated state, which resumes on any number of ranks."""
+    """Write checkpoints at all. Under ``fsdp`` and ``deepspeed_stage_*`` every rank writes its shards (resumed with
+    the same ``learner.strategy``; DeepSpeed's on the same number of ranks too, FSDP2's reshard onto any); under
+    ``ddp`` rank 0 writes the replicated state, which resumes on any number of ranks."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``checkpoint.*``) and the fix."""
