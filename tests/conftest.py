@@ -66,3 +66,8 @@ def _process_placement_is_given_back():
         os.sched_setaffinity(0, before[0])
         torch.set_num_threads(before[1])
         warnings.warn(f"the test left cores/threads {after}, not {before}: restored", stacklevel=1)
+
+
+# Task fixtures (tests/fixtures/**) hold the tasks' own verifier files (test_outputs.py etc.), not tests of this
+# project: they run inside a task's sandbox, never in this session.
+collect_ignore_glob = ["fixtures/*"]

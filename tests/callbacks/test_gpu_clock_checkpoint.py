@@ -41,6 +41,9 @@ META_FIELDS = {
     "devices",
     "written_at",
     "state_file",
+    "layout",
+    "strategy",
+    "world_size",
     "config",
 }
 
@@ -289,14 +292,23 @@ def test_a_lora_policy_resumes_with_its_adapters(make_policy, vocab_size, tmp_pa
     )
 
 
-def test_refuses_deepspeed_whose_partitioned_state_rank_zero_cannot_hold(tmp_path):
+def test_takes_deepspeed_and_fsdp2_whose_ranks_write_their_shards_but_refuses_fsdp1(tmp_path):
+    """DeepSpeed and FSDP2 (ModelParallelStrategy) are written as sharded layouts (tests/distributed/
+    test_sharded_resume.py writes and resumes them); Fabric's FSDP1 strategy stays refused."""
     pytest.importorskip("deepspeed")
-    from tslightning.distributed.deepspeed_cpu import CPUDeepSpeedStrategy
+    from lightning.fabric.strategies import FSDPStrategy
 
-    callback = GPUClockCheckpoint(tmp_path, 3600.0)
-    trainer = SimpleNamespace(world_size=2, strategy=CPUDeepSpeedStrategy(stage=2))
-    with pytest.raises(ValueError, match="CPUDeepSpeedStrategy partitions them across ranks"):
+    from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
+
+    for strategy in ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp"):
+        callback = GPUClockCheckpoint(tmp_path, 3600.0)
+        trainer = SimpleNamespace(world_size=2, strategy=learner_strategy(LearnerSettings(2, strategy=strategy), "cpu"))
         callback.on_train_start(trainer, None)
+        assert callback._world_devices == 2
+    with pytest.raises(ValueError, match="Fabric's FSDPStrategy \\(FSDP1\\) shards state this checkpoint cannot hold"):
+        GPUClockCheckpoint(tmp_path, 3600.0).on_train_start(
+            SimpleNamespace(world_size=2, strategy=FSDPStrategy()), None
+        )
 
 
 def test_trainer_resumes_from_an_update_checkpoint_with_ckpt_path(make_policy, vocab_size, tmp_path):

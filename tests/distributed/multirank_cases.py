@@ -165,7 +165,9 @@ def _set_up(fabric, module: StreamingPolicyModule):
 
     if isinstance(fabric.strategy, ModelParallelStrategy):
         fabric.setup_module(module)
-        return fabric.setup_optimizers(module.configure_optimizers())
+        optimizer = fabric.setup_optimizers(module.configure_optimizers())
+        module._fabric_optimizers = [optimizer]  # as fabric.setup links them (fit's _set_up does too)
+        return optimizer
     return fabric.setup(module, module.configure_optimizers())[1]
 
 

@@ -1,4 +1,4 @@
-"""A test callback: at the end of training each rank saves its policy's parameters (``theta-rank<r>.pt``)."""
+"""A test callback: at the end of training each rank saves its policy's full parameters (``theta-rank<r>.pt``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from tslightning.callbacks.weight_publisher import full_weights
+
 
 class ParameterDump(L.Callback):
-    """Saves ``pl_module.policy``'s state dict on every rank when training ends.
+    """Saves ``pl_module.policy``'s state dict on every rank when training ends, sharded parameters (FSDP2, ZeRO-3)
+    gathered whole (a collective: every rank runs it).
 
     Args:
         path: Directory of the ``theta-rank<r>.pt`` files.
@@ -19,6 +22,7 @@ class ParameterDump(L.Callback):
         self.path = Path(path)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        state = {name: tensor.detach().cpu().clone() for name, tensor in pl_module.policy.state_dict().items()}
+        weights = full_weights(pl_module.policy)()
+        state = {name: tensor.detach().cpu().clone() for name, tensor in weights.items()}
         self.path.mkdir(parents=True, exist_ok=True)
         torch.save(state, self.path / f"theta-rank{trainer.global_rank}.pt")

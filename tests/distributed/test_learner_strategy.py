@@ -52,10 +52,23 @@ def test_every_problem_is_reported_at_once():
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3", "fsdp"])
-def test_fit_refuses_checkpoints_of_partitioned_state_before_doing_anything(tmp_path, strategy):
-    with pytest.raises(ValueError, match=f"learner.strategy '{strategy}' partitions the optimizer state"):
-        fit(out_dir=str(tmp_path / "run"), learner=LearnerSettings(devices=2, strategy=strategy), progress=False)
-    assert not (tmp_path / "run").exists()
+def test_fit_takes_checkpoints_and_resume_of_partitioned_state(strategy):
+    """Partitioned strategies write sharded checkpoints now (tests/distributed/test_sharded_resume.py)."""
+    from tslightning.loop.settings import CheckpointSettings, ModelSettings, RolloutSettings, setting_problems
+
+    learner = LearnerSettings(devices=2, strategy=strategy)
+    for resume in (None, "runs/x/checkpoints/update-3"):
+        problems = setting_problems(
+            "grpo",
+            "thundersync",
+            "recompute",
+            ModelSettings(),
+            RolloutSettings(),
+            learner,
+            CheckpointSettings(),
+            resume,
+        )
+        assert problems == []
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "fsdp"])

@@ -4,6 +4,7 @@ uninterrupted run's and nothing is double-counted (trajectories, scored tokens, 
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tslightning.callbacks import read_trace
 from tslightning.callbacks.checkpoint_state import read_meta
 from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
+from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.streaming_module import OptimizerSettings
 from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
 from tslightning.loop.settings import InvalidSettingsError
@@ -141,3 +143,43 @@ def test_a_corrupt_checkpoint_is_named_in_one_line_before_any_work(tmp_path, dam
         cli.main(["fit", "--out_dir", str(tmp_path / "run"), "--resume", str(checkpoint)])
     (line,) = capsys.readouterr().err.strip().splitlines()  # one line, naming the file; no traceback
     assert exit_info.value.code == 2 and str(broken) in line and "Traceback" not in line
+
+
+def _sharded_checkpoint(root: Path, layout: str = "deepspeed_stage_2", world_size: int = 2) -> Path:
+    """An ``update-3`` directory as 2 DeepSpeed ranks leave it (the engine's checkpoint in ``state.pt/``)."""
+    checkpoint = root / "checkpoints" / "update-3"
+    (checkpoint / "state.pt" / "checkpoint").mkdir(parents=True)
+    (checkpoint / "state.pt" / "latest").write_text("checkpoint")
+    for rank in range(world_size):
+        (checkpoint / "state.pt" / "checkpoint" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"s")
+    meta = {"policy_hash": "sha256:0", "layout": layout, "world_size": world_size, "strategy": "DeepSpeedStrategy"}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "named"),
+    [("deepspeed_stage_2", 1, "on 1 rank(s) (learner.devices × learner.num_nodes): its 'deepspeed_stage_2' shards are "
+      "for 2 ranks"),
+     ("ddp", 2, "learner.strategy 'ddp' on 2 rank(s)")],
+)  # fmt: skip
+def test_a_sharded_checkpoint_on_another_process_count_or_strategy_is_refused_before_any_work(
+    tmp_path, strategy, devices, named
+):
+    checkpoint = _sharded_checkpoint(tmp_path)
+    learner = LearnerSettings(devices=devices, strategy=strategy)
+    with pytest.raises(InvalidSettingsError) as info:
+        fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), learner=learner, progress=False)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"resume: {checkpoint} cannot continue as") and named in problem
+    assert "resume with learner.strategy deepspeed_stage_2 on 2 rank(s)" in problem and "\n" not in problem
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sharded_checkpoint_missing_its_index_is_named_before_any_work(tmp_path):
+    checkpoint = _sharded_checkpoint(tmp_path)
+    (checkpoint / "state.pt" / "latest").unlink()
+    learner = LearnerSettings(devices=2, strategy="deepspeed_stage_2")
+    with pytest.raises(InvalidSettingsError, match=rf"resume: {checkpoint / 'state.pt'} lacks latest of its deepspeed"):
+        fit(out_dir=str(tmp_path / "run"), resume=str(checkpoint), learner=learner, progress=False)
+    assert not (tmp_path / "run").exists()

@@ -12,12 +12,13 @@ k's optimizer step and publication::
                         # seen, GPU-clock seconds, the resolved run config
 
 It is assembled in ``.tmp-update-<k>`` beside it and renamed into place with ``os.replace``, so a directory named
-``update-<k>`` is always complete. ``state.pt`` goes through the Fabric strategy's ``save_checkpoint`` and
-``CheckpointIO`` (what ``fabric.save`` does) and comes back through ``fabric.load``; the learner is replicated — every
-rank holds the full θ and AdamW state, which publication relies on too — so rank 0's copy is the whole state, and
-``torch.load`` reads it without Lightning too. (Partitioned strategies, FSDP and DeepSpeed, are refused: their
-optimizer state would need the strategy's sharded layout.) A file that cannot be read, or lacks a field, raises
-:class:`CheckpointError` naming the file and what is wrong.
+``update-<k>`` is always complete. ``state.pt`` goes through the Fabric strategy's ``save_checkpoint`` (what
+``fabric.save`` does) and comes back through ``fabric.load``. Under DDP (or one device) the learner is replicated —
+every rank holds the full θ and AdamW state, which publication relies on too — so ``state.pt`` is rank 0's file,
+which ``torch.load`` reads without Lightning too. Under FSDP2 and DeepSpeed ZeRO ``state.pt`` is the strategy's
+sharded directory, every rank writing its shards (:mod:`tslightning.callbacks.checkpoint_layout`); ``meta.json``
+then records the ``layout`` and ``world_size`` (DeepSpeed's shards resume on that many ranks only). A file that
+cannot be read, or lacks a field, raises :class:`CheckpointError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
+
+from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, layout_of, load_sharded
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
@@ -77,17 +81,37 @@ def rng_file(rank: int) -> str:
 
 
 def policy_hash(policy: torch.nn.Module) -> str:
-    """SHA-256 over the trainable parameters: each name, dtype, shape and raw bytes, in sorted name order.
+    """SHA-256 over the full trainable parameters: each name, dtype, shape and raw bytes, in sorted name order.
 
     For a peft model that is the adapters. Two policies with equal hashes hold bit-identical trainable weights.
+    Sharded parameters (FSDP2 DTensors, ZeRO-3 partitions) are gathered one at a time, so the hash is the same on
+    every rank and equals the unsharded policy's — a collective then: every rank must call it.
     """
     digest = hashlib.sha256()
-    trainable = sorted((name, p) for name, p in policy.named_parameters() if p.requires_grad)
+    trainable = sorted(((name, p) for name, p in policy.named_parameters() if p.requires_grad), key=lambda x: x[0])
     for name, parameter in trainable:
-        tensor = parameter.detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())  # via uint8: numpy has no bfloat16
+        with _full_value(parameter) as full:
+            tensor = full.detach().cpu().contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())  # via uint8: numpy has no bfloat16
     return "sha256:" + digest.hexdigest()
+
+
+@contextmanager
+def _full_value(parameter: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The whole of ``parameter`` on every rank: an FSDP2 DTensor all-gathered, a ZeRO-3 partition gathered (valid
+    inside the context only); any other parameter as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameter, DTensor):
+        yield parameter.full_tensor()
+    elif hasattr(parameter, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+            yield parameter
+    else:
+        yield parameter
 
 
 def rng_states() -> dict[str, Any]:
@@ -197,27 +221,27 @@ def restore_checkpoint(
         path: An ``update-<k>`` directory written by :class:`~tslightning.callbacks.GPUClockCheckpoint`.
         module: The :class:`~tslightning.learner.streaming_module.StreamingPolicyModule` (plain or Fabric-wrapped),
             built exactly as in the run that wrote the checkpoint (same model, same LoRA settings).
-        optimizers: Its optimizers, in ``configure_optimizers`` order.
+        optimizers: Its optimizers, in ``configure_optimizers`` order (a sharded layout loads the ones the strategy
+            set up with the module).
         callbacks: Callbacks whose ``state_key`` appears in the checkpoint get their ``load_state_dict`` called.
         rank: Global rank of this process: it restores ``rng-rank<rank>.pt`` (rank 0's file when there is none).
         fabric: Read ``state.pt`` through ``fabric.load`` (its strategy's CheckpointIO); ``None``: ``torch.load``.
+            Required for a sharded checkpoint, whose layout (and DeepSpeed's world size) it must match (every rank
+            calls this then: loading and hashing sharded weights are collectives).
 
     Raises:
         FileNotFoundError: If ``path`` is not a complete checkpoint directory.
-        CheckpointError: If a file of it cannot be read or lacks a field, or the optimizers do not match.
+        CheckpointError: If a file of it cannot be read or lacks a field, the optimizers do not match, or a sharded
+            checkpoint meets another strategy or world size.
         RuntimeError: If the restored trainable weights do not hash to the checkpoint's ``policy_hash``.
     """
     path = Path(path)
-    state, meta = read_checkpoint(path, fabric)
-    module.load_state_dict(state["state_dict"], strict=True)
-    optimizers = list(optimizers)
-    if len(optimizers) != len(state["optimizer_states"]):
-        raise CheckpointError(
-            f"resume: {path / STATE_FILE} holds {len(state['optimizer_states'])} optimizer state(s) but the module "
-            f"configured {len(optimizers)}"
-        )
-    for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"], strict=True):
-        optimizer.load_state_dict(optimizer_state)
+    meta = _checked_meta(path)
+    if meta.get("layout", REPLICATED) == REPLICATED:
+        state, _ = read_checkpoint(path, fabric)
+        _load_replicated(path, state, module, optimizers)
+    else:
+        state = _load_sharded(path, meta, module, fabric)
     module.policy_version = state["policy_version"]
     module.num_optimizer_steps = state["num_optimizer_steps"]
     for callback in callbacks:  # (Fabric's callback list also holds the set-up LightningModule: no state_key)
@@ -236,33 +260,71 @@ def restore_checkpoint(
     return ResumePoint(state["next_update"], state["policy_version"], meta)
 
 
+def _load_replicated(path: Path, state: dict[str, Any], module: torch.nn.Module, optimizers: Iterable[Any]) -> None:
+    module.load_state_dict(state["state_dict"], strict=True)
+    optimizers = list(optimizers)
+    if len(optimizers) != len(state["optimizer_states"]):
+        raise CheckpointError(
+            f"resume: {path / STATE_FILE} holds {len(state['optimizer_states'])} optimizer state(s) but the module "
+            f"configured {len(optimizers)}"
+        )
+    for optimizer, optimizer_state in zip(optimizers, state["optimizer_states"], strict=True):
+        optimizer.load_state_dict(optimizer_state)
+
+
+def _load_sharded(path: Path, meta: dict[str, Any], module: torch.nn.Module, fabric: Any) -> dict[str, Any]:
+    """``fabric.load`` of a sharded ``state.pt`` into the set-up module and optimizer; its plain fields, checked."""
+    if fabric is None:
+        raise CheckpointError(f"resume: {path / STATE_FILE} is sharded ({meta['layout']}); restore it through Fabric")
+    mismatch = layout_mismatch(meta, layout_of(fabric.strategy), fabric.world_size)
+    if mismatch is not None:
+        raise CheckpointError(f"resume: {path} cannot be restored here: {mismatch}")
+    fields = tuple(name for name in _STATE_FIELDS if name not in ("state_dict", "optimizer_states"))
+    state = _load(path / STATE_FILE, lambda file: load_sharded(fabric, file, module, fields))
+    _require_fields(path / STATE_FILE, state, fields)
+    return state
+
+
+def _checked_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of checkpoint directory ``path``, which must also hold ``state.pt`` (a file or a directory)."""
+    if not (path / STATE_FILE).exists() or not (path / META_FILE).is_file():
+        siblings = ", ".join(p.name for p in checkpoint_dirs(path.parent)) or "none"
+        raise FileNotFoundError(
+            f"resume: {path} is not a checkpoint directory (it needs {STATE_FILE} and {META_FILE}); complete "
+            f"checkpoints in {path.parent}: {siblings}"
+        )
+    meta = _load(path / META_FILE, lambda file: json.loads(file.read_text()))
+    _require_fields(path / META_FILE, meta, _META_FIELDS)
+    return meta
+
+
 def read_checkpoint(path: str | os.PathLike[str], fabric: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``state.pt`` and ``meta.json`` of checkpoint directory ``path``, checked for the fields a resume reads.
+    """``state.pt`` and ``meta.json`` of a replicated checkpoint directory ``path``, checked for the fields a resume
+    reads (a sharded ``state.pt`` loads only into set-up objects: :func:`restore_checkpoint`).
 
     Raises:
         FileNotFoundError: If ``path`` is not a complete checkpoint directory (the complete ones beside it named).
         CheckpointError: If either file cannot be read (truncated, corrupt, not a checkpoint) or lacks a field.
     """
     path = Path(path)
-    if not (path / STATE_FILE).is_file() or not (path / META_FILE).is_file():
-        siblings = ", ".join(p.name for p in checkpoint_dirs(path.parent)) or "none"
-        raise FileNotFoundError(
-            f"resume: {path} is not a checkpoint directory (it needs {STATE_FILE} and {META_FILE}); complete "
-            f"checkpoints in {path.parent}: {siblings}"
-        )
+    meta = _checked_meta(path)
+    if meta.get("layout", REPLICATED) != REPLICATED:
+        raise CheckpointError(f"resume: {path / STATE_FILE} is sharded ({meta['layout']}); use restore_checkpoint")
     if fabric is not None:
         state = _load(path / STATE_FILE, lambda file: fabric.load(file))
     else:
         state = _load(path / STATE_FILE, lambda file: torch.load(file, map_location="cpu", weights_only=True))
-    meta = _load(path / META_FILE, lambda file: json.loads(file.read_text()))
-    for file, content, fields in ((path / STATE_FILE, state, _STATE_FIELDS), (path / META_FILE, meta, _META_FIELDS)):
-        missing = [name for name in fields if not isinstance(content, dict) or name not in content]
-        if missing:
-            raise CheckpointError(
-                f"resume: {file} lacks {', '.join(missing)}; it was not written by GPUClockCheckpoint (or is damaged): "
-                "resume from another update-<k> directory"
-            )
+    _require_fields(path / STATE_FILE, state, _STATE_FIELDS)
     return state, meta
+
+
+def _require_fields(file: Path, content: Any, fields: tuple[str, ...]) -> None:
+    missing = [name for name in fields if not isinstance(content, dict) or name not in content]
+    if missing:
+        raise CheckpointError(
+            f"resume: {file} lacks {', '.join(missing)}; it was not written by GPUClockCheckpoint (or is damaged): "
+            "resume from another update-<k> directory"
+        )
 
 
 def _load(file: Path, read: Any) -> Any:

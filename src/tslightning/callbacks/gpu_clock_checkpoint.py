@@ -15,7 +15,9 @@ It is no Lightning ``Checkpoint`` and replaces nothing: a Trainer keeps its defa
   (``meta``) rides in the checkpoint under ``"gpu_clock_checkpoint"``. Resume with
   ``trainer.fit(model, ckpt_path=".../update-<k>.ckpt")``.
 * in a Fabric loop: the ``update-<k>/`` directory of :mod:`tslightning.callbacks.checkpoint_state`, its
-  ``state.pt`` written through the Fabric strategy's ``save_checkpoint`` (as ``fabric.save``), resumed with
+  ``state.pt`` written through the Fabric strategy's ``save_checkpoint`` (as ``fabric.save``) — rank 0's file under
+  DDP, every rank's shards under FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO
+  (:mod:`tslightning.callbacks.checkpoint_layout`) — resumed with
   :func:`~tslightning.callbacks.checkpoint_state.restore_checkpoint` (``fabric.load``).
 """
 
@@ -33,6 +35,7 @@ import lightning as L
 import torch
 from lightning.fabric.wrappers import _unwrap_objects
 
+from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_of, sharded_state
 from tslightning.callbacks.checkpoint_state import (
     FORMAT_VERSION,
     META_FILE,
@@ -150,8 +153,9 @@ class GPUClockCheckpoint(UpdateCallback):
 
         Raises:
             ValueError: a callback after this one that keeps state and acts at batch end (its update-k state would
-                be missing); in a Fabric loop, a DeepSpeed or model-parallel (FSDP) strategy, whose partitioned
-                optimizer state the replicated ``state.pt`` cannot hold, or an fsspec URL ``dirpath``.
+                be missing); in a Fabric loop, Fabric's FSDP1 ``FSDPStrategy`` (FSDP2's ``ModelParallelStrategy``,
+                DeepSpeed and DDP are written by :mod:`~tslightning.callbacks.checkpoint_layout`), or an fsspec URL
+                ``dirpath``.
         """
         callbacks = callbacks_of(trainer)
         later = callbacks[callbacks.index(self) + 1 :] if self in callbacks else []
@@ -163,13 +167,7 @@ class GPUClockCheckpoint(UpdateCallback):
             )
         if isinstance(trainer, L.Trainer):
             return
-        if _partitions_state(getattr(trainer, "strategy", None)):
-            name = type(trainer.strategy).__name__
-            raise ValueError(
-                f"GPUClockCheckpoint's Fabric layout holds rank 0's replicated module and optimizer state; {name} "
-                "partitions them across ranks, so the checkpoint would lose the other partitions. Remove this "
-                "callback (fit: checkpoint.enabled=false), use a replicated strategy (ddp), or a Trainer"
-            )
+        layout_of(getattr(trainer, "strategy", None))
         if isinstance(self.dirpath, str):
             raise ValueError(
                 f"GPUClockCheckpoint: dirpath {self.dirpath!r} is a URL; a Fabric loop writes a local path"
@@ -249,8 +247,10 @@ class GPUClockCheckpoint(UpdateCallback):
 
     def _write(self, fabric: Any, module: Any, final: Path, update: int, gpu_clock_s: float) -> str | None:
         """Every rank writes its RNG state into ``.tmp-<name>`` and hands the state to the strategy (rank 0 writes the
-        replicated ``state.pt``); rank 0 then writes ``meta.json`` and renames the directory to ``final``.
-        Returns rank 0's verdict on every rank: ``None``, or what failed (the temporary directory is then gone)."""
+        replicated ``state.pt``; a sharded strategy has every rank write its shards); rank 0 hashes the full
+        trainable weights (every rank joins the gathers of sharded ones), writes ``meta.json`` and renames the
+        directory to ``final``. Returns rank 0's verdict on every rank: ``None``, or what failed (the temporary
+        directory is then gone). A rank failing inside the strategy's collective save fails the others there."""
         strategy, rank = fabric.strategy, fabric.global_rank
         tmp = final.with_name(f".tmp-{final.name}")
         error = _attempt(lambda: _fresh_directory(tmp)) if rank == 0 else None
@@ -259,45 +259,58 @@ class GPUClockCheckpoint(UpdateCallback):
             error = _attempt(lambda: save_file(rng_states(), tmp / rng_file(rank)))
         if error is None:  # no barrier inside (unlike fabric.save), so a failed write is agreed on below
             error = _attempt(lambda: strategy.save_checkpoint(tmp / STATE_FILE, self._state(fabric, module, update)))
+        digest: list[str] = []  # rank 0 hashes; every rank takes part when the weights are sharded (gathers)
+        if rank == 0 or layout_of(strategy) != REPLICATED:
+            hashed = _attempt(lambda: digest.append(policy_hash(getattr(module, "policy", module))))
+            error = error or hashed
         all_ok = strategy.reduce_boolean_decision(error is None, all=True)  # also the barrier before rank 0 renames
         if rank == 0:
             if error is None and not all_ok:
                 error = "another rank failed to write its part"
             if error is None:
-                error = _attempt(lambda: self._install(fabric, module, tmp, final, update, gpu_clock_s))
+                meta = self._meta(fabric, module, update, gpu_clock_s, digest[0])
+                error = _attempt(lambda: self._install(meta, tmp, final))
             if error is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
         return strategy.broadcast(error, src=0)
 
     def _state(self, fabric: Any, module: Any, update: int) -> dict[str, Any]:
-        """``state.pt``: the module (the strategy takes its state dict), optimizer and callback states, versions."""
+        """``state.pt``: the module (the strategy takes its state dict, or its shards), optimizer and callback states,
+        versions."""
         module = _unwrap_objects(module)
-        return {
+        fields = {
             "format_version": FORMAT_VERSION,
-            "state_dict": module,
-            "optimizer_states": [fabric.strategy.get_optimizer_state(o) for o in _optimizers_of(module)],
             "callbacks": {cb.state_key: cb.state_dict() for cb in checkpointed_callbacks(fabric)},
             "policy_version": getattr(module, "policy_version", update + 1),
             "num_optimizer_steps": getattr(module, "num_optimizer_steps", update + 1),
             "next_update": update + 1,  # the data position: task order and sampling seeds derive from it
         }
+        if layout_of(fabric.strategy) != REPLICATED:
+            return sharded_state(fabric, module, fields)
+        optimizer_states = [fabric.strategy.get_optimizer_state(o) for o in _optimizers_of(module)]
+        return {"state_dict": module, "optimizer_states": optimizer_states, **fields}
 
-    def _install(self, fabric: Any, module: Any, tmp: Path, final: Path, update: int, gpu_clock_s: float) -> None:
-        write_meta(self._meta(fabric, module, update, gpu_clock_s), tmp / META_FILE)
+    def _install(self, meta: dict[str, Any], tmp: Path, final: Path) -> None:
+        write_meta(meta, tmp / META_FILE)
         install_directory(tmp, final)
         if self.keep_last is not None:
             prune(self.dirpath, self.keep_last)
 
-    def _meta(self, trainer: Any, module: Any, update: int, gpu_clock_s: float) -> dict[str, Any]:
+    def _meta(
+        self, trainer: Any, module: Any, update: int, gpu_clock_s: float, digest: str | None = None
+    ) -> dict[str, Any]:
+        """The GPU-clock record; ``digest``: the policy hash every rank computed (``None``: computed here, on every
+        rank — a collective for sharded weights)."""
         config = self._resolved_config()
         version = held_version(trainer, module)
+        layout = "trainer" if isinstance(trainer, L.Trainer) else layout_of(trainer.strategy)  # Lightning's .ckpt
         return {
             "format_version": FORMAT_VERSION,
             "seed": self.seed if self.seed is not None else config.get("seed"),
             "update": update,
             "next_update": update + 1,
             "policy_version": update + 1 if version is None else version,
-            "policy_hash": policy_hash(getattr(module, "policy", module)),
+            "policy_hash": digest or policy_hash(getattr(module, "policy", module)),
             "published_at": self._published_at,
             "publication_s": self._publication_s,
             "trajectories_seen": self.trajectories_seen,
@@ -306,6 +319,9 @@ class GPUClockCheckpoint(UpdateCallback):
             "devices": self.devices or self._world_devices,
             "written_at": time.time(),
             "state_file": STATE_FILE,
+            "layout": layout,  # how state.pt is laid out, and for a sharded layout on how many ranks it resumes
+            "strategy": type(trainer.strategy).__name__,
+            "world_size": trainer.world_size,
             "config": config,
         }
 
@@ -387,18 +403,3 @@ def _keeps_batch_state(callback: L.Callback) -> bool:
 
     batch_end = overrides("on_train_batch_end") or overrides("on_update_end")
     return not isinstance(callback, Checkpoint) and overrides("state_dict") and batch_end
-
-
-def _partitions_state(strategy: Any) -> bool:
-    from lightning.fabric import strategies as fabric
-    from lightning.pytorch import strategies as trainer
-
-    partitioned = (
-        fabric.DeepSpeedStrategy,
-        fabric.FSDPStrategy,
-        fabric.ModelParallelStrategy,
-        trainer.DeepSpeedStrategy,
-        trainer.FSDPStrategy,
-        trainer.ModelParallelStrategy,
-    )
-    return isinstance(strategy, partitioned)

@@ -87,7 +87,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = self.current_index(trainer, pl_module)
         if self._engines_serve_another(trainer, version):
-            weights = _full_weights(self._policy_of(pl_module))
+            weights = full_weights(self._policy_of(pl_module))
             publish = self._publish_from_every_rank if self.every_rank else self._publish_from_rank_zero
             publish(trainer, weights, version)
 
@@ -101,7 +101,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = k + 1
         start = time.perf_counter()
-        weights = _full_weights(self._policy_of(pl_module))  # ZeRO-3: a gather every rank enters
+        weights = full_weights(self._policy_of(pl_module))  # ZeRO-3: a gather every rank enters
         if self.every_rank:
             self._publish_from_every_rank(trainer, weights, version)
         else:
@@ -179,7 +179,7 @@ class WeightPublisher(UpdateCallback):
         self.publications = state_dict["publications"]
 
 
-def _full_weights(policy: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+def full_weights(policy: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
     """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3 or FSDP2, where
     every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank."""
     if shards_parameters(policy):

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 import transformers
 
+from tslightning.callbacks.checkpoint_layout import REPLICATED, consolidated_module_state
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, checkpoint_dirs, policy_hash, read_meta
 from tslightning.loop.settings import RolloutSettings
 from tslightning.loop.startup import agent_limits, start_engine, training_tasks
@@ -185,9 +186,9 @@ def export_policy(checkpoint: str | Path, target: str | Path) -> Path:
     """Write the policy θ of an ``update-<k>`` training checkpoint to ``target`` as a ``save_pretrained`` directory.
 
     The run's ``policy-0/`` (beside the checkpoints directory, or under the recorded ``out_dir``) supplies the
-    architecture and tokenizer; the checkpoint's module state replaces every weight, LoRA adapters (``model.lora``
-    in the recorded config) are merged into the base weights as publication serves them, and the trained weights must
-    hash to the recorded ``policy_hash``.
+    architecture and tokenizer; the checkpoint's module state (a sharded one's shards joined) replaces every weight,
+    LoRA adapters (``model.lora`` in the recorded config) are merged into the base weights as publication serves
+    them, and the trained weights must hash to the recorded ``policy_hash``.
     """
     checkpoint, target = Path(checkpoint), Path(target)
     meta = read_meta(checkpoint)
@@ -201,7 +202,11 @@ def export_policy(checkpoint: str | Path, target: str | Path) -> Path:
             r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=lora["target_modules"]
         )
         policy = get_peft_model(policy, config)
-    state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)["state_dict"]
+    layout = meta.get("layout", REPLICATED)
+    if layout == REPLICATED:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)["state_dict"]
+    else:  # FSDP2 or DeepSpeed shards, joined in this process
+        state = consolidated_module_state(checkpoint / STATE_FILE, layout)
     policy.load_state_dict({name.removeprefix("policy."): value for name, value in state.items()}, strict=True)
     if policy_hash(policy) != meta["policy_hash"]:
         raise RuntimeError(
@@ -295,7 +300,7 @@ def _is_policy_dir(path: Path) -> bool:
 
 
 def _is_training_checkpoint(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / META_FILE).is_file()
+    return (path / STATE_FILE).exists() and (path / META_FILE).is_file()  # state.pt: a file, or a sharded directory
 
 
 def _run_policy_dir(checkpoint: Path, meta: dict[str, Any]) -> Path:

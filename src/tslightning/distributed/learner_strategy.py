@@ -16,14 +16,15 @@ Launching several ranks (Fabric's launchers; every rank runs the same command li
   --learner.strategy ddp`` inside an ``sbatch`` allocation; Fabric's SLURM environment reads ``SLURM_PROCID`` etc.
 
 Strategies: ``ddp`` (replicated parameters), ``deepspeed_stage_2`` (ZeRO-2: partitioned optimizer state and
-gradients; the direction reaches them through :mod:`tslightning.distributed.zero_gradients`; float32 at most — DeepSpeed
-has no float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partitioned too; every forward gathers each
-layer in a collective, so the ranks serve their sources in lock-step ticks, :mod:`tslightning.distributed.lockstep`,
-with the ``recompute`` context backward) stream exactly on several ranks. DeepSpeed partitions the optimizer state,
-which the GPU-clock checkpoint (rank 0's replicated copy) cannot hold, so ``fit`` needs ``checkpoint.enabled=false``
-with them. ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's ``ModelParallelStrategy``
-(:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like ZeRO-3 it serves sources in
-lock-step.
+gradients; the direction reaches them through :mod:`tslightning.distributed.zero_gradients`; float32 at most —
+DeepSpeed has no float64 model dtype) and ``deepspeed_stage_3`` (ZeRO-3: parameters partitioned too; every forward
+gathers each layer in a collective, so the ranks serve their sources in lock-step ticks,
+:mod:`tslightning.distributed.lockstep`, with the ``recompute`` context backward) stream exactly on several ranks;
+their GPU-clock checkpoints are sharded, every rank writing its partition
+(:mod:`tslightning.callbacks.checkpoint_layout`), and resume on the same strategy and number of ranks (FSDP2's
+reshard onto any number). ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's
+``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like
+ZeRO-3 it serves sources in lock-step, and its checkpoints are sharded too.
 """
 
 from __future__ import annotations

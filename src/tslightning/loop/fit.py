@@ -224,7 +224,9 @@ def _set_up(fabric, module: StreamingPolicyModule, strategy: str):
     per-source forwards bypass DDP's (the barrier reduces)."""
     if strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
         fabric.setup_module(module)
-        return fabric.setup_optimizers(module.configure_optimizers())
+        optimizer = fabric.setup_optimizers(module.configure_optimizers())
+        module._fabric_optimizers = [optimizer]  # as fabric.setup links them: module.optimizers() (checkpoints)
+        return optimizer
     _, optimizer = fabric.setup(module, module.configure_optimizers())
     return optimizer
 

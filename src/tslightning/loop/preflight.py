@@ -105,7 +105,9 @@ def preflight(
     problems += statistics_problems(
         objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
     )
-    problems += resume_problems(resume, schedule) + unreadable_checkpoint(resume) + callback_problems(callbacks)
+    problems += (
+        resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
+    )
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume)

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from tslightning.callbacks import GPUClockCheckpoint
+from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, missing_parts
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
-from tslightning.callbacks.weight_publisher import publishable_state_dict
+from tslightning.callbacks.weight_publisher import full_weights
+from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
 
@@ -43,33 +45,64 @@ def resume_problems(resume: str | None, schedule: str) -> list[str]:
 def missing_checkpoint(resume: str | None) -> list[str]:
     """``resume`` as a missing path, unless it is a checkpoint directory (what a checkpoint holds is checked when it
     is restored)."""
-    if resume is None or (Path(resume) / STATE_FILE).is_file():
+    if resume is None or (Path(resume) / STATE_FILE).exists():
         return []
     parent = Path(resume).parent
-    found = sorted(p.name for p in parent.glob("update-*") if (p / STATE_FILE).is_file()) if parent.is_dir() else []
+    found = sorted(p.name for p in parent.glob("update-*") if (p / STATE_FILE).exists()) if parent.is_dir() else []
     where = f" (checkpoints in {parent}: {', '.join(found)})" if found else ""
     return [f"resume: {resume} holds no {STATE_FILE}; give an update-<k> checkpoint directory{where}"]
 
 
-def unreadable_checkpoint(resume: str | None) -> list[str]:
-    """Cheap checks of a ``resume`` checkpoint before anything is built or written: ``state.pt`` is a whole torch zip
-    archive (a truncated one has no central directory) and ``meta.json`` parses. One line per damaged file, naming
-    it; the full load at restore checks the rest (:class:`~tslightning.callbacks.CheckpointError`)."""
-    if resume is None or not (Path(resume) / STATE_FILE).is_file():
+LAYOUTS = {"auto": REPLICATED, "ddp": REPLICATED}
+"""The checkpoint layout each ``learner.strategy`` writes (the sharded ones write their own name)."""
+
+
+def unreadable_checkpoint(resume: str | None, learner: LearnerSettings | None = None) -> list[str]:
+    """Cheap checks of a ``resume`` checkpoint before anything is built or written: a replicated ``state.pt`` is a
+    whole torch zip archive (a truncated one has no central directory), a sharded one holds its strategy's index
+    files; ``meta.json`` parses; and the checkpoint's layout and world size are ``learner``'s. One line per problem,
+    naming the file or the setting; the full load at restore checks the rest
+    (:class:`~tslightning.callbacks.CheckpointError`)."""
+    if resume is None or not (Path(resume) / STATE_FILE).exists():
         return []
     path = Path(resume)
-    problems = []
-    if not zipfile.is_zipfile(path / STATE_FILE):
-        problems.append(
-            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
-            f"another update-<k> directory in {path.parent}"
-        )
     try:
-        json.loads((path / META_FILE).read_text())
+        meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError) as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        problems.append(f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory")
-    return problems
+        meta_problems = [f"resume: cannot read {path / META_FILE} ({reason}); resume from another update-<k> directory"]
+        return _state_problems(path, REPLICATED) + meta_problems
+    meta = meta if isinstance(meta, dict) else {}
+    problems = _state_problems(path, meta.get("layout", REPLICATED))
+    return problems + (_layout_problems(path, meta, learner) if learner is not None else [])
+
+
+def _state_problems(path: Path, layout: str) -> list[str]:
+    """``state.pt`` of checkpoint ``path`` as ``layout`` would leave it, or one line naming what is damaged."""
+    if layout == REPLICATED and not zipfile.is_zipfile(path / STATE_FILE):
+        return [
+            f"resume: {path / STATE_FILE} is not a torch checkpoint archive (truncated or corrupt); resume from "
+            f"another update-<k> directory in {path.parent}"
+        ]
+    if layout != REPLICATED and (missing := missing_parts(path / STATE_FILE, layout)):
+        return [
+            f"resume: {path / STATE_FILE} lacks {', '.join(missing)} of its {layout} shards (damaged); resume from "
+            f"another update-<k> directory in {path.parent}"
+        ]
+    return []
+
+
+def _layout_problems(path: Path, meta: dict, learner: LearnerSettings) -> list[str]:
+    """A checkpoint of another layout, or a sharded one of another world size, named by the settings to change."""
+    mismatch = layout_mismatch(meta, LAYOUTS.get(learner.strategy, learner.strategy), learner.world_size)
+    if mismatch is None:
+        return []
+    written = meta.get("layout", REPLICATED)
+    fix = "ddp" if written == REPLICATED else f"{written} on {meta.get('world_size')} rank(s)"
+    return [
+        f"resume: {path} cannot continue as learner.strategy {learner.strategy!r} on {learner.world_size} rank(s) "
+        f"(learner.devices × learner.num_nodes): {mismatch}; resume with learner.strategy {fix}"
+    ]
 
 
 def resume_from(path: str, fabric, module, optimizer, engine) -> int:
@@ -83,7 +116,8 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
         point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
     except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
         raise InvalidSettingsError([str(error)]) from error
+    weights = full_weights(module.policy)  # every rank: sharded weights are gathered (a collective)
     if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
-        engine.publish(publishable_state_dict(module.policy), point.policy_version)
+        engine.publish(weights(), point.policy_version)
     fabric.barrier()
     return point.next_update

@@ -257,8 +257,9 @@ class CheckpointSettings:
     save_last: bool = True
     """Also checkpoint the final update."""
     enabled: bool = True
-    """Write checkpoints at all; must be ``false`` with a DeepSpeed or FSDP learner strategy (they partition the
-    optimizer state across ranks, and a checkpoint holds rank 0's replicated state)."""
+    """Write checkpoints at all. Under ``fsdp`` and ``deepspeed_stage_*`` every rank writes its shards (resumed with
+    the same ``learner.strategy``; DeepSpeed's on the same number of ranks too, FSDP2's reshard onto any); under
+    ``ddp`` rank 0 writes the replicated state, which resumes on any number of ranks."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``checkpoint.*``) and the fix."""
@@ -288,11 +289,6 @@ def setting_problems(
             "runs the recompute learner (set context_backward: recompute)"
         )
     problems += learner.problems(schedule)
-    if learner.strategy in PARTITIONED and (checkpoint.enabled or resume is not None):
-        problems.append(
-            f"learner.strategy {learner.strategy!r} partitions the optimizer state across ranks, which GPU-clock "
-            "checkpoints (rank 0's replicated state) would lose: set checkpoint.enabled=false and no resume"
-        )
     if learner.strategy in SHARDED_PARAMETERS and context_backward == "boundary":
         problems.append(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
