@@ -199,9 +199,13 @@ def test_tests_cannot_be_changed_and_each_verification_gets_a_fresh_copy(fix_pyt
 
 
 def test_orphans_are_killed_at_once_and_reported(fix_python_bug):
+    # One orphan, left by the first of the verifier's three runs of stats.py: killed within the init's 10 ms tick,
+    # long before the verifier's final write. (An orphan left by the last run may still live when that write lands
+    # a few ms later; the verification then scores 0, conservatively: see the ATTACKS cases above.)
+    first_run_only = "if not os.path.exists('/app/spawned'):\n    open('/app/spawned', 'w').close()\n    "
     with TerminalTaskAttempt(fix_python_bug) as attempt:
-        write_app_file(attempt, "stats.py", hostile_stats_py("daemon(lambda: time.sleep(30))"))
-        assert attempt.verify() == HONEST  # killed long before the verifier's final write
+        write_app_file(attempt, "stats.py", hostile_stats_py(first_run_only + "daemon(lambda: time.sleep(30))"))
+        assert attempt.verify() == HONEST
         result = attempt.sandbox.run("true")  # the sandbox still works; no sleeper survived the verification
     assert result.ok
 
