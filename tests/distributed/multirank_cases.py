@@ -6,7 +6,9 @@ line for rank 1). Every rank replays the same synthetic logical batches, streams
 and its parameters to ``OUT/<case>/rank<r>.pt``. :func:`run_case` with ``fabric=None`` is the single-process reference
 the test computes in its own process.
 
-Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...); ``fail-ingest`` (rank 1 raises in the
+Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), optionally followed by ``-sharded``
+(``shard_statistics``), ``-odd`` (an MLP width of 255: FSDP2 pads its shards) and an advantage estimator
+(``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
 ``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2).
@@ -54,8 +56,9 @@ def make_batches(objective: str, dtype: torch.dtype) -> list:
     return [synthetic_opd_batch(vocab, k, generator, teacher, SHAPE) for k in range(UPDATES)]
 
 
-def make_policy(dtype: torch.dtype) -> torch.nn.Module:
-    return _in_dtype(build_tiny_model(TinyModelConfig(seed=0), build_tokenizer()), dtype)
+def make_policy(dtype: torch.dtype, intermediate_size: int = 256) -> torch.nn.Module:
+    config = TinyModelConfig(seed=0, intermediate_size=intermediate_size)
+    return _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -67,14 +70,22 @@ def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict:
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
-    objective, schedule = case.split("-")
+    objective, schedule, *options = case.split("-")
+    sharded = "sharded" in options
+    advantage = next((option for option in options if option not in ("sharded", "odd")), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
-        make_policy(dtype), objective, schedule, optimizer=OptimizerSettings(lr=1e-3), accumulator_dtype=dtype
+        make_policy(dtype, 255 if "odd" in options else 256),
+        objective,
+        schedule,
+        advantage,
+        optimizer=OptimizerSettings(lr=1e-3),
+        accumulator_dtype=dtype,
+        shard_statistics=sharded,
     )
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
-    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
+    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": [], "held": []}
     for k, batch in enumerate(make_batches(objective, dtype)):
         assignment, shares = split_replay_batch(batch, world_size)
         share = shares[rank]
@@ -86,7 +97,10 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         module.barrier(optimizer)
         if lockstep is not None:
             record["lockstep"].append((lockstep.ticks, lockstep.idle_passes, module.last_update.num_sources))
-        record["directions"].append(module.last_direction.double())
+        direction = module.last_direction if module.shards is None else module.shards.gather(module.last_direction)
+        record["directions"].append(direction.double())
+        shard_numel = module.layout.numel if module.shards is None else module.shards.layout.numel
+        record["held"].append((module.last_update.peak_held_numel, shard_numel, module.layout.numel))
         record["thetas"].append(full_values(module))
         record["units_per_rank"].append(assignment.units_per_rank())
     return record

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tslightning.core.parameter_layout import ParameterLayout
+from tslightning.core.shard_layout import ShardLayout
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator, advantage_scale, group_mean, is_uniform
 
 
@@ -38,13 +39,17 @@ class GroupAccumulator:
     source and freed when it closes; the batch accumulator is one more. Held memory is therefore
     ``(2·open_groups + 1) · numel`` values of ``dtype`` (App. D.3), tracked in :attr:`peak_held_numel`.
 
+    With a :class:`~tslightning.core.shard_layout.ShardLayout` every vector is one rank's shard instead (FSDP2's
+    dim-0 chunks, padded): ``(2·open_groups + 1) · shard numel`` values, and sources arrive as shards
+    (:meth:`add_flat`).
+
     The first statistic is kept shifted, ``G1' = Σ (r_i − c) H_i`` with c the group's first reward; since
     ``G1 − μ G2 = G1' − (μ − c) G2`` this is the same update with less cancellation in FP32.
     """
 
     def __init__(
         self,
-        layout: ParameterLayout,
+        layout: ParameterLayout | ShardLayout,
         estimator: AdvantageEstimator = AdvantageEstimator.GRPO,
         eps: float = GRPO_EPSILON,
         dtype: torch.dtype = torch.float32,
@@ -68,6 +73,10 @@ class GroupAccumulator:
 
     def add(self, group_id: str, group_size: int, reward: float, grads: Sequence[torch.Tensor]) -> None:
         """Fold one trajectory's source gradient H_i (as per-parameter tensors) and reward into its group."""
+        self.add_flat(group_id, group_size, reward, self.layout.gather(grads, self.dtype))
+
+    def add_flat(self, group_id: str, group_size: int, reward: float, flat: torch.Tensor) -> None:
+        """Fold H_i given as one flat vector in the layout's order (a shard under a ShardLayout), ``(numel,)``."""
         stats = self._open.get(group_id)
         if stats is None:
             stats = _GroupStatistics(
@@ -75,10 +84,19 @@ class GroupAccumulator:
             )
             self._open[group_id] = stats
             self.peak_held_numel = max(self.peak_held_numel, self.held_numel)
-        flat = self.layout.gather(grads, self.dtype)  # one copy of H_i where the statistics live
         stats.g1.add_(flat, alpha=reward - stats.shift)
         stats.g2.add_(flat)
         stats.rewards.append(reward)
+
+    def folded(self, group_id: str) -> int:
+        """Sources folded into open group ``group_id`` so far (0 if it holds no statistics)."""
+        stats = self._open.get(group_id)
+        return 0 if stats is None else len(stats.rewards)
+
+    def is_complete(self, group_id: str) -> bool:
+        """Whether every source of open group ``group_id`` has been folded in (it can close)."""
+        stats = self._open.get(group_id)
+        return stats is not None and len(stats.rewards) == stats.size
 
     def close(self, group_id: str) -> GroupReduction:
         """Combine g_G = (a_G / m)(G1' − (μ − c) G2) into the batch accumulator and free the group's statistics.

@@ -97,6 +97,38 @@ def all_reduce_sum(tensor: torch.Tensor, device: torch.device | str | None = Non
     return tensor
 
 
+def control_all_gather(value: object) -> list[object]:
+    """Every rank's ``value`` (a small picklable object), in rank order, over :func:`control_group`.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if not distributed():
+        return [value]
+    values: list[object] = [None] * dist.get_world_size()
+    _run(lambda: dist.all_gather_object(values, value, group=control_group()))
+    return values
+
+
+def all_to_all_rows(rows: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Send row j of ``rows`` (``(world_size, n)``) to rank j; row i of the result is what rank i sent here.
+
+    Exchanged on ``device`` (the learner's; ``None``: the tensor's own) over the group that serves it, like
+    :func:`all_reduce_sum`; the result lives there too. Identity on one process.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if not distributed():
+        return rows
+    device = rows.device if device is None else torch.device(device)
+    group = control_group() if device.type == "cpu" else None
+    send = rows.to(device).contiguous()
+    received = torch.empty_like(send)
+    _run(lambda: dist.all_to_all_single(received, send, group=group))
+    return received
+
+
 def _run(collective) -> None:
     try:
         collective()

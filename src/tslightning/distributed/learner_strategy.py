@@ -59,6 +59,11 @@ class LearnerSettings:
     statistics_device: Literal["host", "device"] = "host"
     """Where the streaming statistics (GRPO G1/G2 of open groups and the batch accumulator; OPD's sum) live: ``host``
     memory (page-locked on GPUs, one copy per source) or the learner's ``device`` (no copy, device memory)."""
+    shard_statistics: bool = False
+    """Under ``fsdp``: each rank keeps only its shard (FSDP2's dim-0 chunks) of every open group's G1/G2 and of the
+    batch accumulator, ``(2·open + 1)·numel/world`` values (``open`` over all ranks) instead of ``(2·open + 1)·numel``;
+    each lock-step tick sends every rank its shards of the ticks' source gradients
+    (:mod:`tslightning.distributed.statistics_shards`). GRPO only; placed by ``statistics_device``."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -77,6 +82,23 @@ class LearnerSettings:
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
         return problems
+
+    def sharding_problems(self, objective: str) -> list[str]:
+        """Why ``shard_statistics`` cannot shard ``objective``'s statistics under ``strategy`` (empty: it can)."""
+        if not self.shard_statistics:
+            return []
+        if self.strategy != "fsdp":
+            return [
+                f"learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy "
+                f"{self.strategy!r} does not shard them that way: set learner.strategy: fsdp or "
+                "learner.shard_statistics: false"
+            ]
+        if objective != "grpo":
+            return [
+                f"learner.shard_statistics shards GRPO's G1/G2 and batch accumulator; objective {objective!r} holds "
+                "one sum: set learner.shard_statistics: false"
+            ]
+        return []
 
 
 def learner_strategy(settings: LearnerSettings, accelerator: str):

@@ -48,6 +48,7 @@ from tslightning.distributed.collectives import all_reduce_sum, control_all_redu
 from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
+from tslightning.distributed.statistics_shards import Contribution, StatisticsShards
 from tslightning.distributed.zero_gradients import (
     backward_direction,
     clip_coefficient,
@@ -93,6 +94,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
         statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; one
             copy per source) or the policy's ``device`` (no copy; costs (2k+1) parameter-sized vectors there).
+        shard_statistics: GRPO under FSDP2: each rank holds only its shard of every open group's G1/G2 and of the
+            batch accumulator (:mod:`tslightning.distributed.statistics_shards`); :attr:`last_direction` is then
+            this rank's shard of g_k (``shards.gather`` collects it).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         max_policy_lag: int = 0,
         context_backward: ContextBackward = ContextBackward.RECOMPUTE,
         statistics_device: str = "host",
+        shard_statistics: bool = False,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -132,9 +137,14 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.num_optimizer_steps = 0
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
-        self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
-        self.turns = TurnAccumulator(self.layout, dtype)
         self.context_backward = ContextBackward(context_backward)
+        self.shards = self._statistics_shards(shard_statistics, dtype)
+        """This rank's shard of the GRPO statistics (``shard_statistics``), or ``None``: whole statistics."""
+        whole = self.shards is None
+        self.groups = (
+            GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype) if whole else self.shards.groups
+        )
+        self.turns = TurnAccumulator(self.layout if whole else self.shards.layout, dtype)  # OPD's (unused if sharded)
         if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
             raise ValueError(
                 f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
@@ -188,6 +198,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
                 f">= {self.advantage.min_group_size} trajectories per group"
             )
+        if self.shards is not None:
+            self.shards.begin_batch()  # checks the parameters are FSDP2 shards first
         self.lockstep = self._lockstep_ticks()
         self.groups.reset()  # (re)places the statistics: the policy may have moved to its device since
         self.turns.reset()
@@ -238,7 +250,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         while work:
             admitted = work.popleft()
             if isinstance(admitted, GroupClosed):
-                self._reductions.append(self.groups.close(admitted.group_id))
+                self._reductions.append((self.shards or self.groups).close(admitted.group_id))
                 if self.shared_prompts is not None:
                     self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
                 work.extend(self.admission.release(admitted.group_id))
@@ -277,7 +289,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
         agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
-        norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))  # float32 entries, float64 sum
+        norm = self._direction_norm(direction)
         if not math.isfinite(norm):
             raise FloatingPointError(
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
@@ -285,7 +297,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
         fsdp = self._fsdp  # FSDP2: each rank writes its shard of the (clipped) direction
         coefficient = clip_coefficient(norm, self.max_grad_norm)
-        if fsdp:
+        if self.shards is not None:
+            self.shards.write_grads(direction, scale=-coefficient)
+        elif fsdp:
             write_direction(self.layout, direction, scale=-coefficient)
         elif zero is None:
             self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
@@ -319,21 +333,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self._reset_batch()
         return result
 
-    # ----------------------------------------------------------------- reading the update
-    @property
-    def clips_gradients(self) -> bool:
-        """Whether the barrier clips the batch direction itself (``max_grad_norm`` set); a
-        :class:`~tslightning.callbacks.GradientClipping` callback then refuses to clip it again."""
-        return self.max_grad_norm is not None
-
-    def named_direction(self) -> dict[str, torch.Tensor]:
-        """The last update's g_k per trainable parameter, keyed like ``policy.named_parameters()`` (views of
-        :attr:`last_direction`; ascent direction, unclipped — see :meth:`barrier`)."""
-        if self.last_direction is None:
-            raise RuntimeError("named_direction: no update has run yet (the barrier sets last_direction)")
-        names = [name for name, p in self.policy.named_parameters() if p.requires_grad]
-        return dict(zip(names, self.layout.unflatten(self.last_direction), strict=True))
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         s = self.optimizer_settings
         return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
@@ -348,7 +347,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
             grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
-        self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+        if self.shards is not None:  # folded by every rank at this tick's exchange
+            self.shards.stage(Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward), grads)
+        else:
+            self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
         """The prompt part of a closed group's g_G, one backward of its combined boundary adjoint (App. I)."""
@@ -390,7 +392,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
         objective = batch_objective(self.policy, self.objective, chunk, weights)
         grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
-        if self.objective is Objective.GRPO:
+        if self.shards is not None:
+            self.shards.stage(Contribution(None), grads)
+        elif self.objective is Objective.GRPO:
             self.layout.add_(self.groups.batch, grads)
         else:
             self.turns.add(grads, sum(s.num_scored for s in chunk))
@@ -408,6 +412,13 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
         torch.autograd.grad(logp.sum(), self._leaves(), allow_unused=True)  # discarded: nothing is folded
         release_pass_leftovers(self)
+        if self.shards is not None:
+            self.shards.exchange()  # the other ranks' shards still arrive (every rank exchanges after every pass)
+
+    def _statistics_shards(self, shard: bool, dtype: torch.dtype) -> StatisticsShards | None:
+        if shard and (self.objective is not Objective.GRPO or self.context_backward is not ContextBackward.RECOMPUTE):
+            raise ValueError("shard_statistics shards GRPO statistics under context_backward='recompute'; set it false")
+        return StatisticsShards(self.layout, self.advantage, self.advantage_epsilon, dtype) if shard else None
 
     def _lockstep_ticks(self) -> LockstepTicks | None:
         sharded = partitions_parameters(self.policy) or self._fsdp
@@ -426,6 +437,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         with pass_context(self):
             work()
         release_pass_leftovers(self)  # ZeRO-3 only
+        if self.shards is not None:
+            self.shards.exchange()  # what this pass staged goes to every rank
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
@@ -434,6 +447,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
         """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
         device = self.layout.parameters[0].device  # the data backend reduces there (NCCL: never a host tensor)
+        if self.shards is not None:  # every rank's sources are already folded into every shard
+            return self.groups.batch.clone(), self._num_scored_tokens
         if self.objective is Objective.GRPO:
             return all_reduce_sum(self.groups.batch.clone(), device), self._num_scored_tokens
         total = all_reduce_sum(self.turns.total.clone(), device)
@@ -441,6 +456,14 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if count == 0:
             raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
         return total / count, count
+
+    def _direction_norm(self, direction: torch.Tensor) -> float:
+        """‖g_k‖ from float32 entries summed in float64; sharded, from every rank's shard (a collective)."""
+        return (
+            self.shards.norm(direction)
+            if self.shards
+            else float(torch.linalg.vector_norm(direction, dtype=torch.float64))
+        )
 
     def _reset_batch(self) -> None:
         self._registry = None

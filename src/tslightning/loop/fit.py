@@ -200,6 +200,7 @@ def fit(
             max_policy_lag=lag,
             context_backward=context_backward,
             statistics_device=learner.statistics_device,
+            shard_statistics=learner.shard_statistics,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)

@@ -288,7 +288,7 @@ def setting_problems(
             f"context_backward 'boundary' streams context adjoints under schedule thundersync; schedule {schedule!r} "
             "runs the recompute learner (set context_backward: recompute)"
         )
-    problems += learner.problems(schedule)
+    problems += learner.problems(schedule) + learner.sharding_problems(objective)
     if learner.strategy in SHARDED_PARAMETERS and context_backward == "boundary":
         problems.append(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
