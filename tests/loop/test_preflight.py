@@ -212,3 +212,22 @@ def test_device_statistics_that_cannot_fit_the_gpu_name_the_settings_to_change()
     assert problem.startswith("learner.statistics_device: device holds 4 open group(s)' G1/G2") and "host" in problem
     assert statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=2**30) == []
     assert statistics_problems("grpo", ModelSettings(), rollout, LearnerSettings(), 4, device_bytes=1) == []  # host
+
+
+def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_before_anything_is_written(
+    tmp_path, capsys
+):
+    from tslightning.distributed.learner_strategy import LearnerSettings
+
+    ddp = LearnerSettings(devices=2, strategy="ddp", shard_statistics=True)
+    assert ddp.sharding_problems("grpo") == [
+        "learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy 'ddp' does not shard "
+        "them that way: set learner.strategy: fsdp or learner.shard_statistics: false"
+    ]
+    fsdp = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True)
+    assert fsdp.sharding_problems("grpo") == [] and "objective 'opd'" in fsdp.sharding_problems("opd")[0]
+    out = tmp_path / "run"
+    argv = ["fit", "--config", "configs/quickstart.yaml", "--learner.devices", "2", "--out_dir", str(out)]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--learner.strategy", "deepspeed_stage_2", "--learner.shard_statistics", "true"])
+    assert "learner.strategy 'deepspeed_stage_2' does not shard them" in capsys.readouterr().err and not out.exists()

@@ -375,7 +375,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     # ----------------------------------------------------------------- batch-synchronous learner work (sync)
     def _compute_sync_direction(self, plan: BatchPlan) -> None:
         """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
-        self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
+        if self.shards is None:  # sharded, peers' shards may have arrived already: the batch's reset was at its start
+            self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
         self.turns.reset()
         self._reductions = []
         self.service_log = []
