@@ -250,6 +250,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         while work:
             admitted = work.popleft()
             if isinstance(admitted, GroupClosed):
+                if self.lockstep is not None:  # admitted with its sources (a cap released it): fold them first
+                    self.lockstep.flush(self.policy_version)
                 self._reductions.append((self.shards or self.groups).close(admitted.group_id))
                 if self.shared_prompts is not None:
                     self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
