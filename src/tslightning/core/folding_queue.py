@@ -70,6 +70,12 @@ class FoldingQueue:
         if failed is not None:
             raise failed
 
+    def discard(self) -> None:
+        """Wait until every queued fold has run, dropping their errors (the statistics are being reset)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.exception()
+
     def close(self) -> None:
         """Drain, then stop the thread."""
         try:

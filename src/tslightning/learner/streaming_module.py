@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tslightning.core.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.core.folding_queue import FoldingQueue
 from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
 from tslightning.core.parameter_layout import ParameterLayout, total_norm
 from tslightning.core.sources import (
@@ -94,9 +95,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
         statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; one
             copy per source) or the policy's ``device`` (no copy; costs (2k+1) parameter-sized vectors there).
-        shard_statistics: GRPO under FSDP2: each rank holds only its shard of every open group's G1/G2 and of the
-            batch accumulator (:mod:`tslightning.distributed.statistics_shards`); :attr:`last_direction` is then
-            this rank's shard of g_k (``shards.gather`` collects it).
+        shard_statistics: GRPO under FSDP2: a rank holds its shard of the statistics (:attr:`last_direction` too;
+            ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`.
+        fold_queue_depth: Fold sources into the statistics on a background thread, at most this many pending
+            (:mod:`tslightning.core.folding_queue`); 0 folds on the learner thread.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         context_backward: ContextBackward = ContextBackward.RECOMPUTE,
         statistics_device: str = "host",
         shard_statistics: bool = False,
+        fold_queue_depth: int = 0,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -138,13 +141,12 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
         self.context_backward = ContextBackward(context_backward)
-        self.shards = self._statistics_shards(shard_statistics, dtype)
+        self.shards = self._statistics_shards(shard_statistics, dtype, fold_queue_depth)
         """This rank's shard of the GRPO statistics (``shard_statistics``), or ``None``: whole statistics."""
-        whole = self.shards is None
-        self.groups = (
-            GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype) if whole else self.shards.groups
-        )
-        self.turns = TurnAccumulator(self.layout if whole else self.shards.layout, dtype)  # OPD's (unused if sharded)
+        self.folding = FoldingQueue(fold_queue_depth) if fold_queue_depth else None
+        space, groups = (self.layout, None) if self.shards is None else (self.shards.layout, self.shards.groups)
+        self.groups = groups or GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype, self.folding)
+        self.turns = TurnAccumulator(space, dtype, self.folding)  # OPD's sum (GRPO's shards never use it)
         if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
             raise ValueError(
                 f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
@@ -283,6 +285,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         barrier_start = time.perf_counter()
         with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
             registry.require_complete()
+            if self.folding is not None:
+                self.folding.drain()  # a fold's error fails the update on every rank
             if self.schedule is Schedule.SYNC:
                 self._compute_sync_direction(registry.plan)
             if self.lockstep is not None:
@@ -334,10 +338,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.num_optimizer_steps += 1
         self._reset_batch()
         return result
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        s = self.optimizer_settings
-        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
 
     # ----------------------------------------------------------------- per-source learner work (thundersync)
     def _fold_trajectory(self, source: TrajectorySource) -> None:
@@ -418,9 +418,11 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if self.shards is not None:
             self.shards.exchange()  # the other ranks' shards still arrive (every rank exchanges after every pass)
 
-    def _statistics_shards(self, shard: bool, dtype: torch.dtype) -> StatisticsShards | None:
+    def _statistics_shards(self, shard: bool, dtype: torch.dtype, depth: int) -> StatisticsShards | None:
         if shard and (self.objective is not Objective.GRPO or self.context_backward is not ContextBackward.RECOMPUTE):
             raise ValueError("shard_statistics shards GRPO statistics under context_backward='recompute'; set it false")
+        if shard and depth:
+            raise ValueError("shard_statistics folds at each tick's exchange; set fold_queue_depth 0 with it")
         return StatisticsShards(self.layout, self.advantage, self.advantage_epsilon, dtype) if shard else None
 
     def _lockstep_ticks(self) -> LockstepTicks | None:
