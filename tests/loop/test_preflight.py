@@ -226,6 +226,9 @@ def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_bef
     ]
     fsdp = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True)
     assert fsdp.sharding_problems("grpo") == [] and "objective 'opd'" in fsdp.sharding_problems("opd")[0]
+    queued = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True, fold_queue_depth=2)
+    assert "set learner.fold_queue_depth: 0 with it" in queued.sharding_problems("grpo")[0]
+    assert "learner.fold_queue_depth must be an int >= 0" in LearnerSettings(fold_queue_depth=-1).problems("sync")[0]
     out = tmp_path / "run"
     argv = ["fit", "--config", "configs/quickstart.yaml", "--learner.devices", "2", "--out_dir", str(out)]
     with pytest.raises(SystemExit):

@@ -134,3 +134,10 @@ def test_sharded_statistics_are_each_rank_shard_of_every_ranks_open_groups(tiny)
     assert not any("shard_statistics" in change for change in sharded.advice(1, shape))
     ddp = LearnerShape(strategy="ddp", world_size=4, open_groups=2, shard_statistics=True)
     assert plan_learner_memory(config, ddp, activations=False).statistics == whole.statistics  # ddp cannot shard
+
+
+def test_a_fold_queue_keeps_its_pending_gradients_alive(tiny):
+    _, config = tiny
+    one = plan_learner_memory(config, LearnerShape(), activations=False)
+    queued = plan_learner_memory(config, LearnerShape(fold_queue_depth=2), activations=False)
+    assert queued.gradients == 3 * one.gradients and queued.statistics == one.statistics

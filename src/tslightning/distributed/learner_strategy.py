@@ -64,6 +64,11 @@ class LearnerSettings:
     batch accumulator, ``(2·open + 1)·numel/world`` values (``open`` over all ranks) instead of ``(2·open + 1)·numel``;
     each lock-step tick sends every rank its shards of the ticks' source gradients
     (:mod:`tslightning.distributed.statistics_shards`). GRPO only; placed by ``statistics_device``."""
+    fold_queue_depth: int = 0
+    """Fold each source's gradient into the statistics (the copy to ``statistics_device`` and Eq. 7's axpys) on a
+    background thread, at most this many pending, while the learner thread runs the next pass; each pending fold
+    keeps one gradient-sized buffer alive on the device. 0: fold on the learner thread. Not with
+    ``shard_statistics``, which folds at each tick's exchange."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -79,6 +84,11 @@ class LearnerSettings:
             problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
         if not self.timeout_s > 0:
             problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
+        if isinstance(self.fold_queue_depth, bool) or self.fold_queue_depth < 0:
+            problems.append(
+                f"learner.fold_queue_depth must be an int >= 0 (0: fold on the learner thread); got "
+                f"{self.fold_queue_depth}"
+            )
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
         return problems
@@ -87,6 +97,11 @@ class LearnerSettings:
         """Why ``shard_statistics`` cannot shard ``objective``'s statistics under ``strategy`` (empty: it can)."""
         if not self.shard_statistics:
             return []
+        if self.fold_queue_depth:
+            return [
+                "learner.shard_statistics folds each source at its lock-step tick's exchange; set "
+                "learner.fold_queue_depth: 0 with it (or shard_statistics: false)"
+            ]
         if self.strategy != "fsdp":
             return [
                 f"learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy "

@@ -201,6 +201,7 @@ def fit(
             context_backward=context_backward,
             statistics_device=learner.statistics_device,
             shard_statistics=learner.shard_statistics,
+            fold_queue_depth=learner.fold_queue_depth,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)

@@ -7,7 +7,8 @@ on a laptop. Per learner rank:
   strategies that shard parameters (``fsdp``, ``deepspeed_stage_3``);
 * **gradients** — one source's gradient, the size of the trainable parameters: the streaming learner takes each
   source's gradient whole (``torch.autograd.grad``) before folding it into the statistics, and the barrier writes
-  the direction into ``.grad`` (partitioned under ZeRO and FSDP, which the per-source gradient is not);
+  the direction into ``.grad`` (partitioned under ZeRO and FSDP, which the per-source gradient is not); with
+  ``learner.fold_queue_depth`` d, d more, waiting for the background fold;
 * **optimizer** — AdamW's two moments per trainable value, in the master weights' dtype, divided among the ranks by
   ``fsdp`` and ZeRO-2/3;
 * **statistics** — the streaming accumulators (App. D.3): GRPO holds G1 and G2 for each open group plus the batch
@@ -55,6 +56,7 @@ class LearnerShape:
         sequence_tokens: The longest sequence one pass runs (the context limit).
         statistics_device: ``host`` or ``device``.
         shard_statistics: Each rank keeps only its shard of the statistics (``fsdp`` and GRPO).
+        fold_queue_depth: Source gradients waiting for the background fold (``learner.fold_queue_depth``).
         lora_rank: LoRA's r, or ``None`` for full fine-tuning.
         lora_targets: Module names that get adapters.
     """
@@ -67,6 +69,7 @@ class LearnerShape:
     sequence_tokens: int = 2048
     statistics_device: str = "host"
     shard_statistics: bool = False
+    fold_queue_depth: int = 0
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
 
@@ -104,7 +107,7 @@ class MemoryPlan:
         )
         rows = [
             ("weights", self.weights, "device"),
-            ("gradients (one source)", self.gradients, "device"),
+            ("gradients (one source + fold queue)", self.gradients, "device"),
             ("optimizer state (AdamW)", self.optimizer, "device"),
             (statistics, self.statistics, place),
             ("activations, one pass", self.activations, "device"),
@@ -165,7 +168,7 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     layers = max(1, getattr(config, "num_hidden_layers", 1))
     return MemoryPlan(
         weights=math.ceil(weights / sharded),
-        gradients=trainable * _size(trainable_dtype),
+        gradients=(1 + shape.fold_queue_depth) * trainable * _size(trainable_dtype),
         optimizer=math.ceil(2 * trainable * _size(trainable_dtype) / optimizer_shards),
         statistics=statistics * _size(statistics_dtype),
         activations=activations,
