@@ -23,12 +23,14 @@ SHARDED = [f"grpo-thundersync-sharded-odd-{e}" for e in ESTIMATORS] + [
     "grpo-thundersync-sharded-odd-cap1-grpo",
 ]
 WHOLE = "grpo-thundersync-odd-grpo"
+WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
+"""Whole statistics under lock-step with an admission cap: a released group closes after its queued folds."""
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
-    done = _launch(out, "fsdp", WHOLE, *SHARDED, timeout=400)
+    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
@@ -49,8 +51,9 @@ def _replay(case: str) -> dict:
     return run_case(f"grpo-sync-odd-{case.rsplit('-', 1)[1]}", None, torch.float64)
 
 
-@pytest.mark.parametrize("case", SHARDED)
-def test_sharded_statistics_give_the_sync_replays_update(fsdp_run, case):
+@pytest.mark.parametrize("case", [*SHARDED, WHOLE_CAPPED])
+def test_the_update_equals_the_sync_replay(fsdp_run, case):
+    """Sharded statistics (every estimator, sync too, under a cap) and whole ones under a cap: the sync replay."""
     ranks = [_load(fsdp_run, "fsdp", case, r) for r in (0, 1)]
     replay = _replay(case)
     for k in range(len(replay["directions"])):
