@@ -295,6 +295,12 @@ def setting_problems(
             "context backward runs several per source: set context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
+    if model.precision == "64-true" and learner.strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
+        problems.append(
+            f"model.precision 64-true needs learner.strategy ddp or auto: {learner.strategy} (Fabric's "
+            f"{'ModelParallelStrategy' if learner.strategy == 'fsdp' else 'DeepSpeedStrategy'}) has no float64; "
+            "set model.precision=32-true"
+        )
     if learner.activation_checkpointing and context_backward == "boundary":
         problems.append(
             "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "
