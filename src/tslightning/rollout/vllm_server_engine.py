@@ -105,7 +105,7 @@ class VLLMServerEngine(QueuedEngine):
         self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
         self._context_tokens = context_tokens
         expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
-        self._expected, self._transport, self._replicas = expected, transport, replicas
+        self._expected, self._transport, self.replicas = expected, transport, replicas
         self._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas is not None else {}
         problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
         if problems:
@@ -188,7 +188,7 @@ class VLLMServerEngine(QueuedEngine):
         """The replicas the launcher restarted since they last served, each checked and in a new transfer group
         (not yet in rotation: they serve once they acknowledged the publication under way)."""
         joining: list[int] = []
-        serving = self._replicas.serving() if self._replicas is not None else {}
+        serving = self.replicas.serving() if self.replicas is not None else {}
         for server, (generation, url) in serving.items():
             if self._generations.get(server) == generation:
                 continue
@@ -201,7 +201,7 @@ class VLLMServerEngine(QueuedEngine):
             except Exception as error:
                 if answers(url):
                     raise RolloutEngineError(f"Restarted replica {server} ({url}) could not join: {error}") from error
-                self._replicas.lost(server)  # died again: the launcher restarts it once more
+                self.replicas.lost(server)  # died again: the launcher restarts it once more
                 continue
             if problems:
                 raise RolloutEngineError(f"Restarted replica {server} cannot serve: {'; '.join(problems)}")
@@ -217,8 +217,8 @@ class VLLMServerEngine(QueuedEngine):
             self._transports[server].close()
         except Exception:  # a server already gone has no group to leave
             pass
-        if report and self._replicas is not None:
-            self._replicas.lost(server)
+        if report and self.replicas is not None:
+            self.replicas.lost(server)
 
     def close(self) -> None:
         """Fail queued requests, wait for those in flight, leave the servers' transfer groups (and stop the
@@ -234,8 +234,8 @@ class VLLMServerEngine(QueuedEngine):
                 transport.close()
             except Exception:  # a server already gone has no group to leave
                 pass
-        if self._replicas is not None:
-            self._replicas.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
     def _publish_checkpoint(self, policy_version: int) -> None:
         from safetensors.torch import load_file
@@ -300,8 +300,8 @@ class VLLMServerEngine(QueuedEngine):
         """Serve without ``server`` from now on; fail the engine when it was the last one."""
         with self._gate:
             self._router.drop(server)
-            if self._replicas is not None:
-                self._replicas.lost(server)
+            if self.replicas is not None:
+                self.replicas.lost(server)
             if not self._router.alive:
                 self._failure = f"Every vLLM server stopped answering (last: {gone}): restart them and resume."
                 raise RolloutEngineError(self._failure) from None
