@@ -90,7 +90,8 @@ def test_fit_survives_a_replica_killed_mid_update_and_serves_on_the_restarted_on
         "--rollout.ray.replicas", "2", "--rollout.ray.num_cpus", "1", "--rollout.ray.server_host", "127.0.0.1",
         "--rollout.ray.server_args", json.dumps(SERVER_ARGS), "--rollout.ray.health_interval_s", "1",
         "--rollout.ray.wait_for_restarts", "true", "--rollout.ray.startup_timeout_s", "400",
-        "--updates", str(UPDATES), "--rollout.prompts_per_update", str(PROMPTS),
+        "--updates", str(UPDATES), "--warm_start.steps", "0", "--rollout.max_turns", "2",
+        "--rollout.prompts_per_update", str(PROMPTS),
         "--rollout.samples_per_prompt", str(SAMPLES), "--out_dir", str(out), "--progress", "false",
         "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([fault]),
     ]  # fmt: skip
