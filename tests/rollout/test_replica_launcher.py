@@ -64,6 +64,16 @@ def test_missing_ray_is_one_line_naming_the_launcher(monkeypatch):
     ]
 
 
+def test_an_address_where_no_cluster_answers_is_one_line_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(ValueError, match=rf"^rollout.ray.address: nothing answers at '{address}'"):
+        RayReplicas(RaySettings(address=address), tmp_path, tmp_path, transport="gloo", dtype="float32")
+
+
 def test_replicas_the_cluster_cannot_hold_are_refused_before_any_starts(ray_cluster, tmp_path):
     settings = RaySettings(address=ray_cluster, replicas=3, num_cpus=2)
     with pytest.raises(

@@ -14,6 +14,7 @@ extra); the settings import nothing.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -248,6 +249,8 @@ def _connect(settings: RaySettings) -> Any:
             "rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or set rollout.launcher none and give "
             "rollout.server_urls"
         ) from None
+    if settings.address not in (None, "auto"):
+        _check_reachable(settings.address)
     try:
         if settings.address is None:
             ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
@@ -259,6 +262,19 @@ def _connect(settings: RaySettings) -> Any:
             f"{str(error).splitlines()[0] if str(error) else ''}); run `ray start --head` there, or fix the address"
         ) from None
     return ray
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A GCS ``host:port`` must accept a connection (``ray.init`` would otherwise retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"rollout.ray.address: nothing answers at {address!r} ({type(error).__name__}); run `ray start --head` "
+            "there and give its address (host:port), or auto on a node of the cluster"
+        ) from None
 
 
 def _check_resources(ray: Any, settings: RaySettings) -> None:
