@@ -138,3 +138,57 @@ def _recorded(out: Path, update: int) -> list:
     from tslightning.loop.batch_recording import load_batches
 
     return list(load_batches(out / "batches", update).values())
+
+
+class _Remote:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def remote(self):
+        return self.value
+
+
+class _FakeActor:
+    def __init__(self, exit_code) -> None:
+        self.exit_code = _Remote(exit_code)
+
+
+def test_the_health_thread_restarts_an_exited_server_at_once_and_a_silent_one_after_three_misses(monkeypatch):
+    """Replica 0's server exited; replica 1 runs but stops answering; replica 2 answers: the health thread restarts 0
+    at its first missed check, 1 at its third, 2 never."""
+    import threading
+
+    import tslightning.rollout.replica_launcher as launcher
+    from tslightning.rollout.replica_launcher import MISSES_BEFORE_RESTART, _Replica
+
+    checks: Counter = Counter()
+    lost: list[tuple[int, int]] = []
+
+    def answers(url):
+        checks[url] += 1
+        return url == "http://c:1"
+
+    monkeypatch.setattr(launcher, "answers", answers)
+    replicas = RayReplicas.__new__(RayReplicas)
+    replicas.settings = RaySettings(health_interval_s=0.01)
+    replicas._lock, replicas._closed = threading.Condition(), False
+    replicas._ray = type("FakeRay", (), {"get": staticmethod(lambda value, timeout: value)})
+    replicas._replicas = [
+        _Replica(_FakeActor(exit_code=-9), "http://a:1", serving=True),
+        _Replica(_FakeActor(exit_code=None), "http://b:1", serving=True),
+        _Replica(_FakeActor(exit_code=None), "http://c:1", serving=True),
+    ]
+
+    def record(index):
+        lost.append((index, checks[replicas._replicas[index].url]))
+        replicas._replicas[index].serving = False
+        if len(lost) == 2:
+            with replicas._lock:
+                replicas._closed = True
+
+    monkeypatch.setattr(replicas, "lost", record)
+    watcher = threading.Thread(target=replicas._watch)
+    watcher.start()
+    watcher.join(30)
+    assert not watcher.is_alive()
+    assert lost == [(0, 1), (1, MISSES_BEFORE_RESTART)]

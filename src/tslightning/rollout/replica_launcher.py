@@ -3,10 +3,11 @@
 :class:`RayReplicas` connects to a Ray cluster (``rollout.ray.address``), starts ``rollout.ray.replicas`` vLLM
 servers, each a Ray actor (:class:`~tslightning.rollout.replica_server.ReplicaServer`) holding ``num_cpus`` /
 ``num_gpus`` of the cluster, waits until each answers ``/health`` and hands their URLs to the engine. A thread then
-checks every replica's ``/health`` each ``health_interval_s``; a replica that stops answering (or that the engine
-reports :meth:`lost`) is restarted — its actor killed, a new one started — under a new *generation*. The engine asks
-:meth:`RayReplicas.serving` at each publication and takes a restarted replica back into rotation only after it
-published the current policy version to it (:mod:`tslightning.rollout.vllm_server_engine`).
+checks every replica's ``/health`` each ``health_interval_s``; a replica whose server exited, or that misses
+:data:`MISSES_BEFORE_RESTART` checks in a row (or that the engine reports :meth:`lost`), is restarted — its actor
+killed, a new one started — under a new *generation*. The engine asks :meth:`RayReplicas.serving` at each
+publication and takes a restarted replica back into rotation only after it published the current policy version to
+it (:mod:`tslightning.rollout.vllm_server_engine`).
 
 Learner ranks stay on Fabric; only the servers run on Ray. Ray is imported when the launcher starts (the ``ray``
 extra); the settings import nothing.
@@ -69,6 +70,10 @@ class RaySettings:
             if not getattr(self, name) > 0:
                 problems.append(f"rollout.ray.{name} must be > 0; got {getattr(self, name)}")
         return problems
+
+
+MISSES_BEFORE_RESTART = 3
+"""``/health`` checks in a row a running server may miss before it is restarted."""
 
 
 class ReplicaFailed(RuntimeError):
@@ -216,16 +221,27 @@ class RayReplicas:
                 self._lock.notify_all()
 
     def _watch(self) -> None:
-        """The health thread: restart each serving replica that stops answering ``/health``."""
+        """The health thread: restart each serving replica whose server exited, or that missed
+        :data:`MISSES_BEFORE_RESTART` ``/health`` checks in a row (one slow answer on a busy node is no death)."""
+        misses: dict[tuple[int, int], int] = {}
         while True:
             with self._lock:
                 self._lock.wait(self.settings.health_interval_s)
                 if self._closed:
                     return
-                serving = [(i, r.url) for i, r in enumerate(self._replicas) if r.serving]
-            for index, url in serving:
-                if not answers(url):
+                serving = [(i, r.generation, r.url, r.actor) for i, r in enumerate(self._replicas) if r.serving]
+            for index, generation, url, actor in serving:
+                key = (index, generation)
+                misses[key] = 0 if answers(url) else misses.get(key, 0) + 1
+                if misses[key] >= MISSES_BEFORE_RESTART or (misses[key] and self._exited(actor)):
                     self.lost(index)
+
+    def _exited(self, actor: Any) -> bool:
+        """Whether the actor's server exited (or the actor itself is gone)."""
+        try:
+            return self._ray.get(actor.exit_code.remote(), timeout=30) is not None
+        except Exception:
+            return True
 
     def _stop(self, actor: Any) -> None:
         if actor is None:
