@@ -212,6 +212,11 @@ class RayReplicas:
                     return
                 replica.generation += 1
             self._launch(index)
+            with self._lock:
+                closed = self._closed
+            if closed:  # closed meanwhile: close() may have missed the new actor
+                self._stop(replica.actor)
+                return
             self._await(index)
         except Exception as error:  # the others keep serving; the engine fails once none is left
             replica.error = f"{type(error).__name__}: {error}"
