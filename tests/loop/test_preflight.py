@@ -73,6 +73,10 @@ BAD_INPUTS = {
     "task-unknown": (["--rollout.task_names", "[no-such-task]"], "rollout.task_names ['no-such-task'] are not tasks"),
     "resume-missing": (["--resume", "{out}/checkpoints/update-7"], "holds no state.pt"),
     "resume-no-checkpoint": (["--resume", "{out}/csv"], "holds no state.pt"),
+    "float64-fsdp": (
+        ["--model.precision", "64-true", "--learner.strategy", "fsdp", "--learner.devices", "2"],
+        "model.precision 64-true needs learner.strategy ddp or auto: fsdp (Fabric's ModelParallelStrategy) has no",
+    ),
 }
 
 

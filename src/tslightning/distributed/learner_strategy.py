@@ -23,8 +23,9 @@ gathers each layer in a collective, so the ranks serve their sources in lock-ste
 their GPU-clock checkpoints are sharded, every rank writing its partition
 (:mod:`tslightning.callbacks.checkpoint_layout`), and resume on the same strategy and number of ranks (FSDP2's
 reshard onto any number). ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's
-``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like
-ZeRO-3 it serves sources in lock-step, and its checkpoints are sharded too.
+``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; on CPU over gloo; a model the caller casts
+to float64 runs under it, but Fabric has no ``64-true`` precision for it, so ``fit`` refuses that pair); like ZeRO-3
+it serves sources in lock-step, and its checkpoints are sharded too.
 """
 
 from __future__ import annotations

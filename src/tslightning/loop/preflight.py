@@ -187,6 +187,10 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
 
 def server_problems(rollout: RolloutSettings) -> list[str]:
     """``vllm_server``: each of ``rollout.server_urls`` that does not answer (checked once the URLs are well formed)."""
+    if rollout.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        return ["rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or give rollout.server_urls instead"]
+    if rollout.launcher == "ray":
+        return []  # the launcher starts the servers
     if rollout.engine != "vllm_server" or url_problems(rollout.server_urls) or importlib.util.find_spec("vllm") is None:
         return []  # malformed URLs, or no vLLM (and its HTTP client): reported by the other checks
     return reachability_problems(rollout.server_urls or [], timeout_s=min(10.0, rollout.server_timeout_s))

@@ -11,6 +11,7 @@ from typing import Literal
 from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
+from tslightning.rollout.replica_launcher import RaySettings
 from tslightning.rollout.vllm_server_check import url_problems
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
@@ -124,6 +125,12 @@ class RolloutSettings:
     server_urls: list[str] | None = None
     """``vllm_server``: the servers' base URLs, e.g. ``[http://10.0.0.2:8000, http://10.0.0.3:8000]``; a
     trajectory's turns all go to one of them."""
+    launcher: Literal["none", "ray"] = "none"
+    """``vllm_server``: ``none`` uses the running servers at ``server_urls``; ``ray`` starts ``ray.replicas`` servers
+    as Ray actors, health-checks them and restarts a dead one (README: Ray launcher; the ``ray`` extra)."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """``launcher: ray``: the cluster, the replicas and their resources (the servers take ``vllm``'s dtype-independent
+    settings: ``max_model_len``, ``tensor_parallel_size``, ``gpu_memory_utilization``, ``enforce_eager``)."""
     server_transport: Literal["gloo", "nccl"] = "gloo"
     """``vllm_server``: how weights reach the servers — ``gloo`` (CPU, any host; servers started with the
     ``tslightning_gloo`` weight-transfer backend) or ``nccl`` (GPUs; the ``nccl`` backend)."""
@@ -203,7 +210,14 @@ class RolloutSettings:
             problems.append(f"rollout.dev_fraction must be in [0, 1]; got {self.dev_fraction}")
         if self.task_names is not None and not self.task_names:
             problems.append("rollout.task_names is empty: name at least one task, or null for every task")
-        if self.engine == "vllm_server":
+        if self.launcher == "ray":
+            problems += self.ray.problems()
+            if self.engine != "vllm_server" or self.server_urls is not None:
+                problems.append(
+                    "rollout.launcher ray starts the servers of rollout.engine vllm_server itself: set rollout.engine "
+                    "vllm_server and leave rollout.server_urls unset"
+                )
+        elif self.engine == "vllm_server":
             problems += url_problems(self.server_urls)
         elif self.server_urls is not None:
             problems.append(
@@ -295,6 +309,12 @@ def setting_problems(
             "context backward runs several per source: set context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
+    if model.precision == "64-true" and learner.strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
+        problems.append(
+            f"model.precision 64-true needs learner.strategy ddp or auto: {learner.strategy} (Fabric's "
+            f"{'ModelParallelStrategy' if learner.strategy == 'fsdp' else 'DeepSpeedStrategy'}) has no float64; "
+            "set model.precision=32-true"
+        )
     if learner.activation_checkpointing and context_backward == "boundary":
         problems.append(
             "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "

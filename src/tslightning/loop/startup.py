@@ -216,16 +216,7 @@ def start_engine(
     if rollout.engine == "vllm":
         return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     if rollout.engine == "vllm_server":
-        from tslightning.rollout.vllm_server_engine import VLLMServerEngine
-
-        return VLLMServerEngine(
-            rollout.server_urls or [],
-            policy_dir,
-            transport=rollout.server_transport,
-            dtype=dtype,
-            context_tokens=max_model_len or 4096,
-            timeout_s=rollout.server_timeout_s,
-        )
+        return _start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(
@@ -236,6 +227,50 @@ def start_engine(
         max_batch_size=rollout.max_batch_size,
         prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
+
+
+def _start_vllm_server(rollout: RolloutSettings, policy_dir: Path, dtype: str, context: int):
+    """The ``vllm_server`` engine on ``rollout.server_urls``, or on replicas the Ray launcher starts first."""
+    from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+
+    replicas = None
+    if rollout.launcher == "ray":
+        from tslightning.rollout.replica_launcher import RayReplicas
+
+        replicas = RayReplicas(
+            rollout.ray,
+            policy_dir,
+            policy_dir.parent / "replicas",
+            transport=rollout.server_transport,
+            dtype=dtype,
+            max_model_len=rollout.vllm.max_model_len or context,
+            extra=replica_server_args(rollout),
+        )
+    try:
+        return VLLMServerEngine(
+            replicas.urls if replicas is not None else rollout.server_urls or [],
+            policy_dir,
+            transport=rollout.server_transport,
+            dtype=dtype,
+            context_tokens=context,
+            timeout_s=rollout.server_timeout_s,
+            replicas=replicas,
+        )
+    except BaseException:
+        if replicas is not None:
+            replicas.close()
+        raise
+
+
+def replica_server_args(rollout: RolloutSettings) -> list[str]:
+    """The ``api_server`` flags of each launched replica from ``rollout.vllm`` (``rollout.ray.server_args`` follow)."""
+    vllm = rollout.vllm
+    args = ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
+    if rollout.ray.num_gpus > 0:
+        args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
+    if vllm.enforce_eager:
+        args.append("--enforce-eager")
+    return args
 
 
 def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):

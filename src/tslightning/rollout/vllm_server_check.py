@@ -96,6 +96,16 @@ def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[
     return problems
 
 
+def answers(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` (a replica that died does not)."""
+    import requests
+
+    try:
+        return requests.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 @dataclass(frozen=True)
 class Expected:
     """What the learner needs from every server.

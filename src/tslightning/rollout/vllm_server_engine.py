@@ -17,6 +17,12 @@ A server that stops answering is dropped: its requests are sent again to another
 so the same tokens; the failed attempt returned none, so no turn is counted twice or lost) and publications leave it
 out; when none is left the engine fails with :class:`~tslightning.rollout.engine.RolloutEngineError`.
 
+With a launcher (``replicas``, :mod:`tslightning.rollout.replica_launcher`) a dropped server is reported to it and
+restarted; a server that dies during a publication is dropped too and the publication completes on the others (with
+none left it fails). At each publication the engine asks the launcher which replicas serve: a restarted one (a new
+generation) is checked, joins a new transfer group and receives θ_k with the others; it serves again only once it
+acknowledged version k.
+
 At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
 group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
 does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
@@ -45,7 +51,14 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
-from tslightning.rollout.vllm_server_check import BACKENDS, PROBE_TEXT, Expected, server_problems, url_problems
+from tslightning.rollout.vllm_server_check import (
+    BACKENDS,
+    PROBE_TEXT,
+    Expected,
+    answers,
+    server_problems,
+    url_problems,
+)
 
 __all__ = ["VLLMServerEngine"]
 
@@ -66,6 +79,9 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: The version θ_0 is published at.
         timeout_s: Seconds one request, one check or one publication step may take.
         max_connections: Requests in flight at once, over all servers.
+        replicas: The launcher that runs the servers (``urls`` are its URLs): told of each server that stopped
+            answering, asked at each publication which restarted ones to take back (see the module docstring); closed
+            with the engine. ``None``: the servers are the user's.
     """
 
     def __init__(
@@ -79,6 +95,7 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: int = 0,
         timeout_s: float = 600.0,
         max_connections: int = 64,
+        replicas: Any = None,
     ) -> None:
         problems = url_problems(urls)
         if problems:
@@ -88,6 +105,8 @@ class VLLMServerEngine(QueuedEngine):
         self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
         self._context_tokens = context_tokens
         expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
+        self._expected, self._transport, self.replicas = expected, transport, replicas
+        self._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas is not None else {}
         problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
         if problems:
             raise ValueError("; ".join(problems))
@@ -110,11 +129,14 @@ class VLLMServerEngine(QueuedEngine):
         Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
         sent to the new one.
 
-        Servers dropped after they stopped answering are left out (they would need θ_k before serving again).
+        Servers dropped after they stopped answering are left out (they would need θ_k before serving again); one
+        that stops answering during the publication is dropped and the others complete it. Replicas the launcher
+        restarted receive θ_k too and serve again once they acknowledged it.
 
         Raises:
             ValueError: If ``policy_version`` does not increase.
-            RolloutEngineError: If a server failed a step; the engine is then unusable (servers may disagree).
+            RolloutEngineError: If a server that still answers failed a step, or none acknowledged; the engine is then
+                unusable (servers may disagree).
         """
         start = time.perf_counter()
         with self._gate:
@@ -122,16 +144,20 @@ class VLLMServerEngine(QueuedEngine):
             self._publishing = True
             self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
-            for server in list(self._router.alive):
-                url, transport = self.urls[server], self._transports[server]
-                try:
-                    transport.publish(state_dict, policy_version)
-                except Exception as error:
-                    self._failure = (
-                        f"Publishing policy version {policy_version} to {url} failed ({error}); the servers may now "
-                        "serve different weights: close this engine, restart the servers and resume from a checkpoint."
-                    )
-                    raise RolloutEngineError(self._failure) from error
+            joining = self._join_restarted()
+            acknowledged = [
+                s for s in sorted({*self._router.alive, *joining}) if self._publish_to(s, state_dict, policy_version)
+            ]
+            if not acknowledged:
+                self._failure = (
+                    f"No vLLM server acknowledged policy version {policy_version}: every one stopped answering; "
+                    "restart them and resume from a checkpoint."
+                )
+                raise RolloutEngineError(self._failure)
+            with self._gate:
+                for server in joining:
+                    if server in acknowledged:
+                        self._router.readmit(server)
             self._policy_version = policy_version
         finally:
             with self._gate:
@@ -139,8 +165,64 @@ class VLLMServerEngine(QueuedEngine):
                 self._gate.notify_all()
         return PublishReceipt(policy_version, len(self._router.alive), time.perf_counter() - start)
 
+    def _publish_to(self, server: int, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> bool:
+        """Publish to one server: ``True`` once it acknowledged, ``False`` if it stopped answering (it is dropped).
+
+        Raises:
+            RolloutEngineError: If the server still answers but failed a step.
+        """
+        try:
+            self._transports[server].publish(state_dict, policy_version)
+            return True
+        except Exception as error:
+            if not answers(self.urls[server]):  # died mid-update: the others complete it
+                self._lose(server)
+                return False
+            self._failure = (
+                f"Publishing policy version {policy_version} to {self.urls[server]} failed ({error}); the servers may "
+                "now serve different weights: close this engine, restart the servers and resume from a checkpoint."
+            )
+            raise RolloutEngineError(self._failure) from error
+
+    def _join_restarted(self) -> list[int]:
+        """The replicas the launcher restarted since they last served, each checked and in a new transfer group
+        (not yet in rotation: they serve once they acknowledged the publication under way)."""
+        joining: list[int] = []
+        serving = self.replicas.serving() if self.replicas is not None else {}
+        for server, (generation, url) in serving.items():
+            if self._generations.get(server) == generation:
+                continue
+            self._lose(server, report=False)  # the old server of this replica is gone
+            url = url.rstrip("/")
+            try:
+                problems = server_problems(url, self._expected, min(self._timeout_s, 60))
+                if not problems:
+                    self._transports[server] = _join_transfer_groups([url], self._transport, self._timeout_s)[0]
+            except Exception as error:
+                if answers(url):
+                    raise RolloutEngineError(f"Restarted replica {server} ({url}) could not join: {error}") from error
+                self.replicas.lost(server)  # died again: the launcher restarts it once more
+                continue
+            if problems:
+                raise RolloutEngineError(f"Restarted replica {server} cannot serve: {'; '.join(problems)}")
+            self.urls[server], self._generations[server] = url, generation
+            joining.append(server)
+        return joining
+
+    def _lose(self, server: int, report: bool = True) -> None:
+        """Drop ``server`` from rotation, leave its transfer group and (``report``) have the launcher restart it."""
+        with self._gate:
+            self._router.drop(server)
+        try:
+            self._transports[server].close()
+        except Exception:  # a server already gone has no group to leave
+            pass
+        if report and self.replicas is not None:
+            self.replicas.lost(server)
+
     def close(self) -> None:
-        """Fail queued requests, wait for those in flight, leave the servers' transfer groups. Idempotent."""
+        """Fail queued requests, wait for those in flight, leave the servers' transfer groups (and stop the
+        launcher's replicas). Idempotent."""
         with self._gate:
             if self._closed:
                 return
@@ -152,6 +234,8 @@ class VLLMServerEngine(QueuedEngine):
                 transport.close()
             except Exception:  # a server already gone has no group to leave
                 pass
+        if self.replicas is not None:
+            self.replicas.close()
 
     def _publish_checkpoint(self, policy_version: int) -> None:
         from safetensors.torch import load_file
@@ -216,6 +300,8 @@ class VLLMServerEngine(QueuedEngine):
         """Serve without ``server`` from now on; fail the engine when it was the last one."""
         with self._gate:
             self._router.drop(server)
+            if self.replicas is not None:
+                self.replicas.lost(server)
             if not self._router.alive:
                 self._failure = f"Every vLLM server stopped answering (last: {gone}): restart them and resume."
                 raise RolloutEngineError(self._failure) from None
@@ -279,6 +365,12 @@ class SessionRouter:
         """``server`` stopped answering: its sessions move to the others at their next request."""
         if server in self.alive:
             self.alive.remove(server)
+
+    def readmit(self, server: int) -> None:
+        """``server`` serves again (a restarted replica that acknowledged the current version)."""
+        if server not in self.alive:
+            self.alive.append(server)
+            self.alive.sort()
 
 
 class ServerGone(RolloutEngineError):
