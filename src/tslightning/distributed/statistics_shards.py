@@ -11,7 +11,7 @@ gradient, which goes straight into the batch accumulator). Then every rank enter
 
 1. the contributions' descriptions are all-gathered (a control message), so every rank knows each source's group and
    reward;
-2. one ``all_to_all_single`` sends shard j of each staged gradient to rank j;
+2. one ``all_to_all_single`` sends shard j of each staged gradient to rank j (an idle rank sends nothing);
 3. every rank folds the shards it received, in rank order, into its shard of the right group's G1'/G2 (Eq. 7) —
    the same operations on the same values the unsharded accumulator runs, so the update is as exact — and closes a
    group on its own once all m of its sources are folded (all m rewards travelled with them: μ and a_G are known
@@ -125,17 +125,13 @@ class StatisticsShards:
         contributions = control_all_gather(contribution)
         if all(c is None for c in contributions):
             return []
-        device = self.layout.layout.parameters[0].device
-        if grads is None:
-            rows = torch.zeros(self.layout.world_size, self.layout.numel, dtype=self.groups.dtype, device=device)
-        else:
-            rows = self.layout.scatter(grads, self.groups.dtype, device)
-        received = all_to_all_rows(rows, device)
-        folded = []
-        for c, shard in zip(contributions, received, strict=True):
-            if c is not None:
-                self._fold(c, shard.to(self.groups.batch.device))
-                folded.append(c)
+        device, dtype = self.layout.layout.parameters[0].device, self.groups.dtype
+        rows = None if grads is None else self.layout.scatter(grads, dtype, device)
+        senders = [c is not None for c in contributions]  # an idle rank sends nothing
+        received = all_to_all_rows(rows, senders, self.layout.numel, dtype, device)
+        folded = [c for c in contributions if c is not None]
+        for c, shard in zip(folded, received, strict=True):
+            self._fold(c, shard.to(self.groups.batch.device))
         return folded
 
     def _fold(self, c: Contribution, shard: torch.Tensor) -> None:
