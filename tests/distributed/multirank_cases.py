@@ -109,12 +109,23 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
 
 
 def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
-    """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``)."""
-    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync")
+    """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``; under
+    ``fail-pass-sharded``, with sharded statistics, its pass raises after staging its gradient)."""
+    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", shard_statistics="sharded" in case)
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module)
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
+    if case == "fail-pass-sharded" and fabric.global_rank == 1:
+        stage, staged = module.shards.stage, []
+
+        def stage_then_fail(contribution, grads) -> None:
+            stage(contribution, grads)
+            staged.append(contribution)
+            if len(staged) == 2:
+                raise RuntimeError("injected failure in a pass")
+
+        module.shards.stage = stage_then_fail
     start = time.perf_counter()
     try:
         with reported_to_ranks(0):
@@ -224,7 +235,7 @@ def main(out: str, strategy: str, *cases: str) -> None:
         target = Path(out) / strategy / case
         target.mkdir(parents=True, exist_ok=True)
         try:
-            if case.endswith("-ingest"):
+            if case.endswith("-ingest") or case.startswith("fail-"):
                 record = failing_case(case, fabric, DTYPES[strategy])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)

@@ -30,7 +30,7 @@ WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
-    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, timeout=400)
+    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, "fail-pass-sharded", timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
@@ -103,7 +103,18 @@ def test_shard_statistics_refuses_parameters_fsdp2_does_not_shard():
     assert module.registry is None  # nothing opened
 
 
-@pytest.mark.parametrize("settings", [{"objective": "opd"}, {"context_backward": "boundary"}])
+@pytest.mark.parametrize("settings", [{"objective": "opd"}, {"context_backward": "boundary"}, {"fold_queue_depth": 2}])
 def test_shard_statistics_refuses_what_it_cannot_shard(settings):
     with pytest.raises(ValueError, match="shard_statistics shards GRPO statistics under context_backward='recompute'"):
         StreamingPolicyModule(make_policy(torch.float64), shard_statistics=True, **settings)
+
+
+def test_a_pass_that_fails_after_staging_fails_the_update_on_every_rank(fsdp_run):
+    """The failed pass still enters its tick's exchange (sending nothing), so the peers hear the failure at their
+    next tick instead of waiting for the timeout, and no rank steps."""
+    for rank in (0, 1):
+        record = _load(fsdp_run, "fsdp", "fail-pass-sharded", rank)
+        assert record["error_type"] == "RankFailureError", record
+        assert "update 0 failed on learner rank(s) [1] of 2" in record["error"]
+        assert record["unchanged"] and record["policy_version"] == 0
+        assert record["seconds"] < 20  # not the 30 s process group timeout

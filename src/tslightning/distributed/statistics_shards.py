@@ -43,6 +43,33 @@ from tslightning.distributed.collectives import (
 from tslightning.objectives.advantages import AdvantageEstimator
 
 
+def statistics_shards(
+    shard: bool,
+    layout: ParameterLayout,
+    estimator: AdvantageEstimator,
+    eps: float,
+    dtype: torch.dtype,
+    objective: str,
+    context_backward: str,
+    fold_queue_depth: int,
+) -> StatisticsShards | None:
+    """The streaming module's :class:`StatisticsShards` when ``shard`` (``None`` otherwise).
+
+    Raises:
+        ValueError: for what cannot be sharded: an ``objective`` other than ``grpo``, a ``context_backward`` other
+            than ``recompute`` (lock-step), or background folding (``fold_queue_depth``; shards fold at the exchange).
+    """
+    if not shard:
+        return None
+    if objective != "grpo" or context_backward != "recompute" or fold_queue_depth:
+        raise ValueError(
+            "shard_statistics shards GRPO statistics under context_backward='recompute' and folds them at each tick's "
+            f"exchange; got objective {objective!r}, context_backward {context_backward!r}, fold_queue_depth "
+            f"{fold_queue_depth} (set shard_statistics false)"
+        )
+    return StatisticsShards(layout, estimator, eps, dtype)
+
+
 @dataclass(frozen=True)
 class Contribution:
     """What travels with one staged gradient: its group, the group's size and the source's reward; ``group_id``
@@ -117,10 +144,11 @@ class StatisticsShards:
             raise RuntimeError("StatisticsShards.stage: a gradient is already staged; exchange() after every pass")
         self._staged = (contribution, grads)
 
-    def exchange(self) -> list[Contribution]:
+    def exchange(self, send: bool = True) -> list[Contribution]:
         """Send every rank its shards of the staged gradients and fold in what arrives (a collective; see the module
-        docstring). Returns the contributions folded here, in rank order."""
-        contribution, grads = self._staged if self._staged is not None else (None, None)
+        docstring); ``send=False`` drops this rank's staged gradient (its pass failed) and sends nothing. Returns the
+        contributions folded here, in rank order."""
+        contribution, grads = self._staged if self._staged is not None and send else (None, None)
         self._staged = None
         contributions = control_all_gather(contribution)
         if all(c is None for c in contributions):

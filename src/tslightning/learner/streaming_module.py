@@ -49,7 +49,7 @@ from tslightning.distributed.collectives import all_reduce_sum, control_all_redu
 from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
-from tslightning.distributed.statistics_shards import Contribution, StatisticsShards
+from tslightning.distributed.statistics_shards import Contribution, statistics_shards
 from tslightning.distributed.zero_gradients import (
     backward_direction,
     clip_coefficient,
@@ -141,7 +141,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
         self.context_backward = ContextBackward(context_backward)
-        self.shards = self._statistics_shards(shard_statistics, dtype, fold_queue_depth)
+        learner = (self.objective.value, self.context_backward.value, fold_queue_depth)
+        self.shards = statistics_shards(
+            shard_statistics, self.layout, self.advantage, advantage_epsilon, dtype, *learner
+        )
         """This rank's shard of the GRPO statistics (``shard_statistics``), or ``None``: whole statistics."""
         self.folding = FoldingQueue(fold_queue_depth) if fold_queue_depth else None
         space, groups = (self.layout, None) if self.shards is None else (self.shards.layout, self.shards.groups)
@@ -418,13 +421,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if self.shards is not None:
             self.shards.exchange()  # the other ranks' shards still arrive (every rank exchanges after every pass)
 
-    def _statistics_shards(self, shard: bool, dtype: torch.dtype, depth: int) -> StatisticsShards | None:
-        if shard and (self.objective is not Objective.GRPO or self.context_backward is not ContextBackward.RECOMPUTE):
-            raise ValueError("shard_statistics shards GRPO statistics under context_backward='recompute'; set it false")
-        if shard and depth:
-            raise ValueError("shard_statistics folds at each tick's exchange; set fold_queue_depth 0 with it")
-        return StatisticsShards(self.layout, self.advantage, self.advantage_epsilon, dtype) if shard else None
-
     def _lockstep_ticks(self) -> LockstepTicks | None:
         sharded = partitions_parameters(self.policy) or self._fsdp
         if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -438,12 +434,15 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
-        start = time.perf_counter()
-        with pass_context(self):
-            work()
-        release_pass_leftovers(self)  # ZeRO-3 only
-        if self.shards is not None:
-            self.shards.exchange()  # what this pass staged goes to every rank
+        start, failed = time.perf_counter(), True
+        try:
+            with pass_context(self):
+                work()
+            release_pass_leftovers(self)  # ZeRO-3 only
+            failed = False
+        finally:  # a failed pass exchanges too, sending nothing: its peers hear the failure at their next tick
+            if self.shards is not None:
+                self.shards.exchange(send=not failed)  # what this pass staged goes to every rank
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
