@@ -198,6 +198,7 @@ def start_engine(
     placement: RankPlacement | None = None,
     world_size: int = 1,
     max_model_len: int | None = None,
+    lora=None,
 ):
     """This learner rank's rollout engine, serving ``policy_dir`` in ``dtype`` on its share of the node's cores
     (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``); ``vllm_server`` connects to running servers
@@ -210,6 +211,8 @@ def start_engine(
         placement: This rank's place on its node (``None``: one rank, the whole node).
         world_size: Learner ranks in all (a vLLM engine leaves the learner's process group alone above one).
         max_model_len: The agent's context limit; ``vllm`` serves it unless ``rollout.vllm.max_model_len`` is set.
+        lora: ``model.lora``: ``vllm_server`` then publishes the adapter (to ``rollout.server_adapter_dir``, by
+            default ``<out_dir>/adapters``), not merged weights.
     """
     placement = placement or RankPlacement(0, 1)
     cpus = placement.share(rollout.cpus)
@@ -225,6 +228,7 @@ def start_engine(
             dtype=dtype,
             context_tokens=max_model_len or 4096,
             timeout_s=rollout.server_timeout_s,
+            adapter=_adapter_spec(lora, rollout, policy_dir),
         )
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
@@ -236,6 +240,16 @@ def start_engine(
         max_batch_size=rollout.max_batch_size,
         prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
+
+
+def _adapter_spec(lora, rollout: RolloutSettings, policy_dir: Path):
+    """Where and how a LoRA run's adapters are published to vLLM servers (``None``: not a LoRA run)."""
+    if lora is None:
+        return None
+    from tslightning.rollout.vllm_server_adapter import AdapterSpec
+
+    directory = Path(rollout.server_adapter_dir) if rollout.server_adapter_dir else policy_dir.parent / "adapters"
+    return AdapterSpec(lora.r, lora.alpha, tuple(lora.target_modules), directory.resolve(), str(policy_dir))
 
 
 def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
@@ -265,7 +279,11 @@ def start_teacher(
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
     samples; built once on global rank 0 (``out/teacher-0``) and loaded by every rank. Its scoring thread runs on this
-    rank's share of ``model.teacher_cpus``."""
+    rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
+    (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
+    ``out/policy-0``."""
+    if rollout.teacher_url is not None:
+        return _teacher_server(rollout, out / "policy-0")
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
     with agreed_by_ranks("set-up: building the OPD teacher on global rank 0"):
         if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
@@ -279,6 +297,17 @@ def start_teacher(
     with agreed_by_ranks("set-up: loading the OPD teacher"):
         teacher, _ = load_tiny_model(teacher_dir)
         return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
+
+
+def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tslightning.rollout.teacher_server import TeacherServer
+    from tslightning.rollout.vllm_server_check import PROBE_TEXT
+
+    probe = AutoTokenizer.from_pretrained(policy_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    vocab_size = AutoConfig.from_pretrained(policy_dir).vocab_size
+    return TeacherServer(rollout.teacher_url, probe, vocab_size, timeout_s=rollout.server_timeout_s)
 
 
 def rollout_datamodule(

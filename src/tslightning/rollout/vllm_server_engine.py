@@ -17,6 +17,10 @@ A server that stops answering is dropped: its requests are sent again to another
 so the same tokens; the failed attempt returned none, so no turn is counted twice or lost) and publications leave it
 out; when none is left the engine fails with :class:`~tslightning.rollout.engine.RolloutEngineError`.
 
+A LoRA run (``adapter``) publishes the adapter, not merged weights
+(:mod:`tslightning.rollout.vllm_server_adapter`): each version's adapter is loaded under a versioned name, and every
+request of update k names θ_k's adapter as its ``model`` — the server's answer must name it too.
+
 At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
 group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
 does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
@@ -45,6 +49,13 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
+from tslightning.rollout.vllm_server_adapter import (
+    AdapterSpec,
+    adapter_name,
+    adapter_problems,
+    publish_adapter,
+    write_adapter,
+)
 from tslightning.rollout.vllm_server_check import BACKENDS, PROBE_TEXT, Expected, server_problems, url_problems
 
 __all__ = ["VLLMServerEngine"]
@@ -66,6 +77,8 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: The version θ_0 is published at.
         timeout_s: Seconds one request, one check or one publication step may take.
         max_connections: Requests in flight at once, over all servers.
+        adapter: A LoRA run's adapter: :meth:`publish` then takes peft's adapter state dict and serves it under a
+            versioned name (the servers run with LoRA enabled); θ_0's base weights are still published at start.
     """
 
     def __init__(
@@ -79,6 +92,7 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: int = 0,
         timeout_s: float = 600.0,
         max_connections: int = 64,
+        adapter: AdapterSpec | None = None,
     ) -> None:
         problems = url_problems(urls)
         if problems:
@@ -89,9 +103,12 @@ class VLLMServerEngine(QueuedEngine):
         self._context_tokens = context_tokens
         expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
         problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
+        if adapter is not None:
+            problems += [problem for url in self.urls for problem in adapter_problems(url, adapter.r, timeout_s)]
         if problems:
             raise ValueError("; ".join(problems))
         self._policy_version, self._failure, self._closed = policy_version - 1, None, False
+        self.adapter, self._model = adapter, None  # the served adapter's name; None: the base model
         self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
         self._publishing, self._router = False, SessionRouter(len(self.urls))
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
@@ -104,8 +121,16 @@ class VLLMServerEngine(QueuedEngine):
             self.close()
             raise
 
+    @property
+    def publishes_adapter(self) -> bool:
+        """Whether :meth:`publish` takes a LoRA adapter's state dict (peft names) instead of full weights."""
+        return self.adapter is not None
+
     def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Install ``state_dict`` (HF names) on every server at ``policy_version``; returns after each acknowledged.
+        """Install ``state_dict`` on every server at ``policy_version``; returns after each acknowledged.
+
+        ``state_dict`` holds the full weights (HF names), or — when :attr:`publishes_adapter` — peft's adapter
+        state dict, written under ``adapter.directory`` and loaded as ``tslightning-policy-v<policy_version>``.
 
         Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
         sent to the new one.
@@ -116,16 +141,24 @@ class VLLMServerEngine(QueuedEngine):
             ValueError: If ``policy_version`` does not increase.
             RolloutEngineError: If a server failed a step; the engine is then unusable (servers may disagree).
         """
+        return self._publish(state_dict, policy_version, as_adapter=self.adapter is not None)
+
+    def _publish(self, state: Mapping[str, torch.Tensor], policy_version: int, as_adapter: bool) -> PublishReceipt:
         start = time.perf_counter()
         with self._gate:
             self._check_next_version(policy_version)
             self._publishing = True
             self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
+            path = write_adapter(self.adapter, state, policy_version) if as_adapter else None
+            previous = self._policy_version if self._model is not None else None
             for server in list(self._router.alive):
                 url, transport = self.urls[server], self._transports[server]
                 try:
-                    transport.publish(state_dict, policy_version)
+                    if path is None:
+                        transport.publish(state, policy_version)
+                    else:
+                        publish_adapter(url, path, policy_version, previous, self._timeout_s)
                 except Exception as error:
                     self._failure = (
                         f"Publishing policy version {policy_version} to {url} failed ({error}); the servers may now "
@@ -133,6 +166,7 @@ class VLLMServerEngine(QueuedEngine):
                     )
                     raise RolloutEngineError(self._failure) from error
             self._policy_version = policy_version
+            self._model = None if path is None else adapter_name(policy_version)
         finally:
             with self._gate:
                 self._publishing = False
@@ -162,7 +196,7 @@ class VLLMServerEngine(QueuedEngine):
         if not state:
             raise ValueError(f"{self._policy_dir} holds no *.safetensors weights to publish as θ_0")
         try:
-            self.publish(state, policy_version)
+            self._publish(state, policy_version, as_adapter=False)  # a LoRA run's base weights, too
         except RolloutEngineError as error:
             raise ValueError(
                 f"rollout.server_urls: publishing θ_0 from {self._policy_dir} failed — a server serves another "
@@ -184,16 +218,16 @@ class VLLMServerEngine(QueuedEngine):
             tickets = [None if self._publishing else self._ticket(request) for request in requests_]
             return [self._pool.submit(self._generate, r, t) for r, t in zip(requests_, tickets, strict=True)]
 
-    def _generate(self, request: GenerationRequest, ticket: tuple[int, int] | None) -> Generation:
+    def _generate(self, request: GenerationRequest, ticket: tuple[int, int, str | None] | None) -> Generation:
         """One request on its session's server, at the version current when it was sent (a pool thread). A server
         that stops answering is dropped and the request sent again to another (same seed, same version: the same
         tokens; the failed attempt returned none); with no server left the engine fails."""
         while True:
-            server, version = ticket or self._acquire(request)
+            server, version, model = ticket or self._acquire(request)
             ticket, start = None, time.perf_counter()
             try:
                 # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
-                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}")
+                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}", model)
                 answer = self._post(self.urls[server], body)
                 break
             except ServerGone as gone:
@@ -202,7 +236,7 @@ class VLLMServerEngine(QueuedEngine):
                 with self._gate:
                     self._router.done(server)
                     self._gate.notify_all()
-        generation = _generation(request, answer, version, self.urls[server])
+        generation = _generation(request, answer, version, model, self.urls[server])
         return Generation(
             generation.request_id,
             generation.token_ids,
@@ -220,16 +254,16 @@ class VLLMServerEngine(QueuedEngine):
                 self._failure = f"Every vLLM server stopped answering (last: {gone}): restart them and resume."
                 raise RolloutEngineError(self._failure) from None
 
-    def _acquire(self, request: GenerationRequest) -> tuple[int, int]:
+    def _acquire(self, request: GenerationRequest) -> tuple[int, int, str | None]:
         """Wait out a publication, then count the request in flight on its session's server."""
         with self._gate:
             self._gate.wait_for(lambda: not self._publishing or self._closed)
             self._raise_if_unusable()
             return self._ticket(request)
 
-    def _ticket(self, request: GenerationRequest) -> tuple[int, int]:
-        """(server, version) of a request counted in flight; call with the gate held."""
-        return self._router.send(request.session or request.request_id), self._policy_version
+    def _ticket(self, request: GenerationRequest) -> tuple[int, int, str | None]:
+        """(server, version, adapter name or None) of a request counted in flight; call with the gate held."""
+        return self._router.send(request.session or request.request_id), self._policy_version, self._model
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         session = getattr(self._local, "session", None)
@@ -285,8 +319,9 @@ class ServerGone(RolloutEngineError):
     """A server stopped answering (connection refused, reset or timed out)."""
 
 
-def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any]:
+def _generate_body(request: GenerationRequest, request_id: str, model: str | None = None) -> dict[str, Any]:
     return {
+        **({} if model is None else {"model": model}),  # the adapter of the request's version
         "request_id": request_id,
         "token_ids": list(request.prompt_token_ids),
         "sampling_params": {
@@ -303,8 +338,16 @@ def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any
     }
 
 
-def _generation(request: GenerationRequest, answer: dict[str, Any], version: int, url: str) -> Generation:
-    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version``."""
+def _generation(
+    request: GenerationRequest, answer: dict[str, Any], version: int, model: str | None, url: str
+) -> Generation:
+    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version`` (with the adapter
+    ``model``, when one is served)."""
+    if model is not None and answer.get("model") != model:
+        raise RolloutEngineError(
+            f"vLLM server {url} sampled {request.request_id!r} with {answer.get('model')!r}, but the engine had "
+            f"published adapter {model!r} (version {version}): refusing tokens of another policy"
+        )
     choice = answer["choices"][0]
     ids = tuple(choice["token_ids"])
     spans = choice.get("weight_versions") or []
