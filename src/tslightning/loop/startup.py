@@ -25,6 +25,7 @@ from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
+from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.tasks.demonstrations import task_demonstrations
 from tslightning.tasks.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
@@ -275,7 +276,7 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
 
 def start_teacher(
     fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool, placement
-) -> TeacherScorer:
+) -> TeacherScorer | TeacherServer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
     samples; built once on global rank 0 (``out/teacher-0``) and loaded by every rank. Its scoring thread runs on this
@@ -302,7 +303,6 @@ def start_teacher(
 def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from tslightning.rollout.teacher_server import TeacherServer
     from tslightning.rollout.vllm_server_check import PROBE_TEXT
 
     probe = AutoTokenizer.from_pretrained(policy_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
@@ -316,7 +316,7 @@ def rollout_datamodule(
     tokenizer,
     tasks,
     objective: str,
-    teacher: TeacherScorer | None,
+    teacher: TeacherScorer | TeacherServer | None,
     seed: int,
     placement: RankPlacement | None = None,
     policy_config=None,
