@@ -27,24 +27,7 @@ PROMPT = [5, 17, 33, 100, 200, 7, 9, 300, 41, 42, 60, 61, 62, 63]
 
 def test_lora_fit_serves_each_version_as_an_adapter_equal_to_the_learners_merged_model(vllm_lora_server, tmp_path):
     out = tmp_path / "run"
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    command = [
-        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
-        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_lora_server.url}]",
-        "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--optimizer.lr", "0.003", "--updates", str(UPDATES),
-        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false",
-        "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},  # parameter_dump.ParameterDump
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _fit(vllm_lora_server.url, out, "--checkpoint.enabled", "false")
 
     rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
     assert [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")] == [0.0] * UPDATES
@@ -64,6 +47,20 @@ def test_lora_fit_serves_each_version_as_an_adapter_equal_to_the_learners_merged
           float((base - merged).abs().max()))  # fmt: skip
     assert float((base - merged).abs().max()) > 100 * LOGPROB_TOLERANCE  # training moved the policy off its base
     assert float((adapter - merged).abs().max()) <= LOGPROB_TOLERANCE
+
+
+def test_a_resumed_lora_run_publishes_the_restored_adapter_before_sampling(vllm_lora_server, tmp_path):
+    out = tmp_path / "run"
+    _fit(vllm_lora_server.url, out, "--checkpoint.interval_s", "1e-6")  # a checkpoint after every update
+    _fit(vllm_lora_server.url, out, "--resume", str(out / "checkpoints" / "update-0"))
+
+    rows = list(csv.DictReader((out / "csv" / "version_1" / "metrics.csv").open()))  # the resumed run's log
+    assert [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")] == [0.0]
+    assert requests.get(f"{vllm_lora_server.url}/weight_info", timeout=10).json() == {"weight_version": str(UPDATES)}
+    merged = _learner_logprobs(out)
+    assert float((_served_logprobs(vllm_lora_server.url, adapter_name(UPDATES)) - merged).abs().max()) <= (
+        LOGPROB_TOLERANCE
+    )
 
 
 def test_a_server_without_lora_is_refused_in_one_line(vllm_server):
@@ -96,6 +93,28 @@ def test_tokens_sampled_with_another_adapter_are_refused():
     assert _generation(request, {"model": adapter_name(2), "choices": [choice]}, 2, adapter_name(2), "u").token_ids
     with pytest.raises(RolloutEngineError, match="another policy"):
         _generation(request, {"model": adapter_name(1), "choices": [choice]}, 2, adapter_name(2), "u")
+
+
+def _fit(url: str, out: Path, *extra: str) -> None:
+    """``fit`` quickstart with ``model.lora`` on the server at ``url``, θ saved by ParameterDump at the end."""
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
+        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{url}]",
+        "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--optimizer.lr", "0.003", "--updates", str(UPDATES),
+        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false",
+        "--callbacks", json.dumps([dump]), *extra,
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},  # parameter_dump.ParameterDump
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def _learner_logprobs(out: Path) -> torch.Tensor:
