@@ -43,6 +43,8 @@ def test_server_scores_equal_the_in_process_teachers(vllm_teacher_server, studen
         mask[length // 2 :] = True
         mask[length - 2] = False  # a gap: an observation token between action tokens
         turns.append((ids, mask))
+    extended = torch.cat([turns[-1][0], torch.randint(0, student[1], (9,), generator=generator)])
+    turns.append((extended, torch.cat([turns[-1][1], torch.ones(9, dtype=torch.bool)])))  # a later turn: shared prefix
     teacher, _ = load_tiny_model(vllm_teacher_server.model_dir)
     with TeacherServer(vllm_teacher_server.url, *student) as served, TeacherScorer(teacher) as local:
         futures = [served.submit(ids, mask) for ids, mask in turns]  # all in flight at once
@@ -50,6 +52,8 @@ def test_server_scores_equal_the_in_process_teachers(vllm_teacher_server, studen
             scores = future.result(timeout=120)
             assert scores.dtype == torch.float32 and scores.shape == (int(mask.sum()),)
             assert float((scores - local.score(ids, mask)).abs().max()) <= LOGPROB_TOLERANCE
+        again = served.score(*turns[-1])  # its prefix now sits in the server's prefix cache
+        assert float((again - local.score(*turns[-1])).abs().max()) <= LOGPROB_TOLERANCE
 
 
 def test_an_unreachable_teacher_is_refused_in_one_line(student):
