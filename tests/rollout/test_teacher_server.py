@@ -73,6 +73,12 @@ def test_a_teacher_with_a_smaller_vocabulary_is_refused(vllm_teacher_server, stu
         TeacherServer(vllm_teacher_server.url, student[0], student[1] + 1000)
 
 
+def test_a_teacher_with_a_shorter_context_is_refused(vllm_teacher_server, student):
+    with pytest.raises(ValueError, match="--max-model-len 4097 or lower rollout.max_context_tokens to 4095"):
+        TeacherServer(vllm_teacher_server.url, *student, context_tokens=4096)
+    TeacherServer(vllm_teacher_server.url, *student, context_tokens=4095).close()
+
+
 def test_fit_refuses_an_unreachable_teacher_before_writing_anything(tmp_path):
     out = tmp_path / "run"
     command = [
@@ -91,6 +97,7 @@ def test_opd_fit_scored_by_the_server_equals_the_sync_replay(vllm_teacher_server
     command = [
         sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart_opd.yaml",
         "--rollout.teacher_url", vllm_teacher_server.url, "--updates", str(UPDATES), "--warm_start.steps", "100",
+        "--rollout.max_context_tokens", "4095",  # the server's 4096 hold a whole turn plus the token it generates
         "--rollout.prompts_per_update", "2", "--out_dir", str(out), "--progress", "false",
         "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
     ]  # fmt: skip

@@ -306,8 +306,11 @@ def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
     from tslightning.rollout.vllm_server_check import PROBE_TEXT
 
     probe = AutoTokenizer.from_pretrained(policy_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    vocab_size = AutoConfig.from_pretrained(policy_dir).vocab_size
-    return TeacherServer(rollout.teacher_url, probe, vocab_size, timeout_s=rollout.server_timeout_s)
+    config = AutoConfig.from_pretrained(policy_dir)
+    context = agent_limits(rollout, config).max_context_tokens
+    return TeacherServer(
+        rollout.teacher_url, probe, config.vocab_size, context_tokens=context, timeout_s=rollout.server_timeout_s
+    )
 
 
 def rollout_datamodule(

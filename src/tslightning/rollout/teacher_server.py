@@ -35,6 +35,7 @@ class TeacherServer:
         url: The server's base URL (``rollout.teacher_url``).
         probe_ids: The student tokenizer's ids for :data:`~tslightning.rollout.vllm_server_check.PROBE_TEXT`.
         vocab_size: The student's vocabulary size (its ``config.vocab_size``).
+        context_tokens: Longest turn (history and action) the teacher must score; ``None``: not checked.
         timeout_s: Seconds one check or one scoring request may take.
         max_connections: Turns scored at once (requests in flight).
 
@@ -48,11 +49,12 @@ class TeacherServer:
         probe_ids: Sequence[int],
         vocab_size: int,
         *,
+        context_tokens: int | None = None,
         timeout_s: float = 600.0,
         max_connections: int = 8,
     ) -> None:
         self.url = url.rstrip("/")
-        problems = teacher_problems(self.url, probe_ids, vocab_size, min(timeout_s, 60.0))
+        problems = teacher_problems(self.url, probe_ids, vocab_size, min(timeout_s, 60.0), context_tokens)
         if problems:
             raise ValueError("; ".join(problems))
         self._timeout_s, self._closed = timeout_s, False
@@ -127,19 +129,22 @@ def scored_prompt_logprobs(entries: Sequence[Any], ids: Sequence[int], positions
     return torch.tensor(scores, dtype=torch.float32)
 
 
-def teacher_problems(url: str, probe_ids: Sequence[int], vocab_size: int, timeout_s: float = 30.0) -> list[str]:
+def teacher_problems(
+    url: str, probe_ids: Sequence[int], vocab_size: int, timeout_s: float = 30.0, context_tokens: int | None = None
+) -> list[str]:
     """Everything that keeps ``url`` from scoring this student's turns (empty: it can), one line each: it answers,
-    its tokenizer encodes a probe as the student's does, it scores the student's highest token id, and it offers
-    the token-in route."""
+    its tokenizer encodes a probe as the student's does, it scores the student's highest token id, it offers the
+    token-in route, and it serves ``context_tokens`` (plus the one token each scoring request generates)."""
     import requests
 
     try:
+        served = requests.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]
         tokens = requests.post(
             f"{url}/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False}, timeout=timeout_s
         ).json()["tokens"]
         probe = _score_body([0, vocab_size - 1], "teacher-probe")
         generate = requests.post(f"{url}/inference/v1/generate", json=probe, timeout=timeout_s)
-    except (requests.RequestException, ValueError, KeyError) as error:
+    except (requests.RequestException, ValueError, KeyError, IndexError) as error:
         return [
             f"{KEY}: {url} is unreachable or not a vLLM server ({type(error).__name__}); start the teacher's vLLM "
             "server there (README: Rollout servers) or fix the URL"
@@ -155,6 +160,12 @@ def teacher_problems(url: str, probe_ids: Sequence[int], vocab_size: int, timeou
         return [
             f"{KEY}: {url} cannot score the student's token id {vocab_size - 1} (its vocabulary is smaller than the "
             f"student's {vocab_size}): {generate.text[:200]}"
+        ]
+    if context_tokens is not None and int(served.get("max_model_len") or 0) < context_tokens + 1:
+        return [
+            f"{KEY}: {url} serves {served.get('max_model_len')} tokens of context, the student's turns reach "
+            f"{context_tokens} (+1 generated per scoring request): start it with --max-model-len "
+            f"{context_tokens + 1} or lower rollout.max_context_tokens to {int(served.get('max_model_len') or 1) - 1}"
         ]
     return []
 
