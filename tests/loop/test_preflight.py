@@ -71,6 +71,18 @@ BAD_INPUTS = {
     ),
     "prompts-negative": (["--rollout.prompts_per_update", "-1"], "rollout.prompts_per_update must be >= 1; got -1"),
     "task-unknown": (["--rollout.task_names", "[no-such-task]"], "rollout.task_names ['no-such-task'] are not tasks"),
+    "teacher-url-on-grpo": (
+        ["--rollout.teacher_url", "http://127.0.0.1:9"],
+        "rollout.teacher_url serves the OPD teacher; objective 'grpo' has none",
+    ),
+    "teacher-url-malformed": (
+        ["--rollout.teacher_url", "localhost"],
+        "rollout.teacher_url: 'localhost' is not an http://host:port URL",
+    ),
+    "adapter-dir-on-hf": (
+        ["--rollout.server_adapter_dir", "/shared/adapters"],
+        "rollout.server_adapter_dir applies to rollout.engine vllm_server, not 'hf'",
+    ),
     "resume-missing": (["--resume", "{out}/checkpoints/update-7"], "holds no state.pt"),
     "resume-no-checkpoint": (["--resume", "{out}/csv"], "holds no state.pt"),
     "float64-fsdp": (

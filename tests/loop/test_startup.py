@@ -140,6 +140,7 @@ def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_the
         "dtype": "float32",
         "max_model_len": 512,
         "extra": ["--tensor-parallel-size", "1", "--enforce-eager"],  # the launcher appends rollout.ray.server_args
+        "lora_rank": None,  # not a LoRA run: no adapters at runtime
     }
     with pytest.raises(ValueError, match="serves another model"):
         startup.start_engine(rollout, tmp_path / "policy-0", "float32", max_model_len=13)

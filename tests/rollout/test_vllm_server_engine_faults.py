@@ -66,6 +66,7 @@ def _engine(urls: list[str], transports: list[FakeTransport], replicas: FakeRepl
     engine._gate, engine._router = threading.Condition(), SessionRouter(len(urls))
     engine._pool, engine._timeout_s, engine._transport, engine._expected = ThreadPoolExecutor(1), 5.0, "gloo", None
     engine._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas else {}
+    engine.adapter, engine._model = None, None  # merged weights; test_lora_* set an adapter
     return engine
 
 
@@ -133,6 +134,27 @@ def test_a_restarted_replica_that_serves_another_model_stops_the_engine(dead, mo
     replicas.serving_now[0] = (1, "http://a:2")
     with pytest.raises(RolloutEngineError, match=r"Restarted replica 0 cannot serve: http://a:2 serves another"):
         engine.publish(STATE, 1)
+
+
+def test_a_restarted_replica_of_a_lora_run_gets_the_current_adapter_and_unloads_nothing(dead, monkeypatch, tmp_path):
+    """Its base weights are θ_0's (the launcher starts it on ``policy-0`` and LoRA never changes them); it holds no
+    earlier adapter, so only the servers that served θ_{k-1} unload it."""
+    replicas = FakeReplicas({0: (0, "http://a:1"), 1: (0, "http://b:1")})
+    engine = _engine(["http://a:1", "http://b:1"], [FakeTransport(), FakeTransport()], replicas)
+    engine.adapter, engine._model, engine._policy_version = object(), "tslightning-policy-v1", 1
+    calls: list[tuple] = []
+    monkeypatch.setattr(server_engine, "write_adapter", lambda adapter, state, version: tmp_path / f"v{version}")
+    monkeypatch.setattr(server_engine, "server_problems", lambda url, expected, timeout_s: [])
+    monkeypatch.setattr(server_engine, "adapter_problems", lambda url, rank, timeout_s: [])
+    monkeypatch.setattr(server_engine, "_join_transfer_groups", lambda urls, transport, timeout_s: [FakeTransport()])
+    monkeypatch.setattr(
+        server_engine, "publish_adapter", lambda url, path, version, previous, t: calls.append((url, version, previous))
+    )
+    engine.adapter = type("Spec", (), {"r": 8})()
+    replicas.serving_now[0] = (1, "http://a:2")
+    engine.publish(STATE, 2)
+    assert sorted(calls) == [("http://a:2", 2, None), ("http://b:1", 2, 1)]
+    assert engine._router.alive == [0, 1] and engine._model == "tslightning-policy-v2"
 
 
 def test_close_stops_the_launchers_replicas(dead):

@@ -176,7 +176,13 @@ def fit(
             context = agent_limits(rollout, policy.config).max_context_tokens
             engine = started.enter_context(
                 start_engine(
-                    rollout, policy_dir, serving_dtype(model.precision), placement, learner.world_size, context
+                    rollout,
+                    policy_dir,
+                    serving_dtype(model.precision),
+                    placement,
+                    learner.world_size,
+                    context,
+                    lora=model.lora,
                 )
             )
             teacher = None

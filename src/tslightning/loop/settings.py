@@ -136,6 +136,13 @@ class RolloutSettings:
     ``tslightning_gloo`` weight-transfer backend) or ``nccl`` (GPUs; the ``nccl`` backend)."""
     server_timeout_s: float = 600.0
     """``vllm_server``: seconds one request, one server check or one publication step may take."""
+    teacher_url: str | None = None
+    """OPD: the base URL of a vLLM server serving the frozen teacher (``http://host:port``; started with
+    ``--enable-scale-out``, the student's tokenizer), which scores each turn through prompt log-probs of the student's
+    token ids; ``None``: the in-process teacher (``model.teacher_path``)."""
+    server_adapter_dir: str | None = None
+    """``vllm_server`` with ``model.lora``: where each version's adapter is written for the servers to load — the
+    same path must be readable on every server's host (a shared file system); ``None``: ``<out_dir>/adapters``."""
     replicas: int = 1
     """``hf`` replicas (processes) serving the policy."""
     max_batch_size: int = 64
@@ -222,6 +229,13 @@ class RolloutSettings:
         elif self.server_urls is not None:
             problems.append(
                 f"rollout.server_urls applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
+            )
+        if self.teacher_url is not None:
+            malformed = url_problems([self.teacher_url])
+            problems += [problem.replace("rollout.server_urls", "rollout.teacher_url") for problem in malformed]
+        if self.server_adapter_dir is not None and self.engine != "vllm_server":
+            problems.append(
+                f"rollout.server_adapter_dir applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
             )
         if not self.server_timeout_s > 0:
             problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
@@ -322,6 +336,13 @@ def setting_problems(
         )
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
+    if rollout.teacher_url is not None and objective != "opd":
+        problems.append(f"rollout.teacher_url serves the OPD teacher; objective {objective!r} has none (remove it)")
+    if rollout.teacher_url is not None and (model.teacher_path or model.teacher_cpus is not None):
+        problems.append(
+            "rollout.teacher_url and model.teacher_path/teacher_cpus both name the OPD teacher: keep the server "
+            "(remove model.teacher_path and model.teacher_cpus) or the in-process one (remove rollout.teacher_url)"
+        )
     return problems
 
 

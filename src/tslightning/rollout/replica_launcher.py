@@ -97,7 +97,7 @@ class RayReplicas:
         settings: ``rollout.ray``.
         model: The checkpoint every replica loads (θ_0; the engine publishes the current θ before a replica serves).
         log_dir: Default directory of the replicas' logs (``settings.log_dir`` wins).
-        server_options: ``transport``, ``dtype``, ``max_model_len`` and ``extra`` flags for
+        server_options: ``transport``, ``dtype``, ``max_model_len``, ``lora_rank`` and ``extra`` flags for
             :class:`~tslightning.rollout.replica_server.ReplicaServer` (``settings.server_args`` follow ``extra``).
 
     Raises:

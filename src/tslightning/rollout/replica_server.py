@@ -39,6 +39,7 @@ class ReplicaServer:
         dtype: Its serving dtype.
         max_model_len: Its context length in tokens.
         extra: More ``api_server`` flags (``--kv-cache-memory-bytes``, ``--tensor-parallel-size``, ...).
+        lora_rank: A LoRA run's rank: the server loads adapters at runtime (LoRA runs publish the adapter).
     """
 
     def __init__(
@@ -51,9 +52,11 @@ class ReplicaServer:
         dtype: str,
         max_model_len: int,
         extra: Sequence[str] = (),
+        lora_rank: int | None = None,
     ) -> None:
         self.model, self.host, self.log_path = model, host, Path(log_path)
         self.options = {"transport": transport, "dtype": dtype, "max_model_len": max_model_len, "extra": list(extra)}
+        self.options["lora_rank"] = lora_rank
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:
