@@ -150,12 +150,27 @@ class BubblewrapSandbox(Sandbox):
         if self._host_uid is not None:
             _hand_over(self.attempt, mounts, self._host_uid)
         _unlock_mount_points(self.attempt, mounts)
+        return self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier)
+
+    def _bwrap_launch(
+        self,
+        command: str,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        ready_fd: int,
+        verifier: bool,
+        joined_network: bool = False,
+    ) -> Launch:
+        """The launch of one command in fresh namespaces, once its directories are handed over (see ``_options``
+        for ``joined_network``)."""
         passed = _Descriptors()
         status_read, status_write = os.pipe()
         passed.fds.append(status_write)
         try:
             config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
-            options = self._options(limits, mounts, cwd, env, verifier, passed)
+            options = self._options(limits, mounts, cwd, env, verifier, passed, joined_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
             # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
@@ -179,14 +194,18 @@ class BubblewrapSandbox(Sandbox):
         env: Mapping[str, str],
         verifier: bool,
         passed: _Descriptors,
+        joined_network: bool = False,
     ) -> list[str]:
-        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
+        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment. With
+        ``joined_network``, the sandbox stays in the network namespace bwrap is started in (one its launcher
+        entered: a live environment's)."""
         namespaces = list(_NAMESPACE_ARGS)
-        if self.network_for(verifier):
+        host_network = self.network_for(verifier) and not joined_network
+        if host_network or joined_network:
             namespaces.remove("--unshare-net")
         if self.root is not None:  # the init's files go on a tmpfs: a read-only root cannot hold new files
             options = [*namespaces, "--as-pid-1", *self.root.binds(), "--tmpfs", RUN_DIR]
-            if self.network_for(verifier) and os.path.exists("/etc/resolv.conf"):
+            if host_network and os.path.exists("/etc/resolv.conf"):
                 options += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
         else:
             options = [*namespaces, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
