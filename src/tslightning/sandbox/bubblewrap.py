@@ -390,14 +390,16 @@ def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -
         raise SandboxError(f"could not hand the attempt's directories to uid {uid}: {error}") from error
 
 
-def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...]) -> None:
-    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again: a command may lock its own
-    ``/app`` (``chmod 000 /app``), and bwrap could then not even enter it for the next command."""
+def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...], also: int = 0) -> None:
+    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again, and the ``also`` mode bits (a
+    verifier beside a live environment: its group's): a command may lock its own ``/app`` (``chmod 000 /app``), and
+    bwrap could then not even enter it for the next command."""
+    wanted = stat.S_IRWXU | also
     for mount in mounts:
         top = attempt.host_path(mount)
         mode = stat.S_IMODE(os.lstat(top).st_mode)
-        if mode & stat.S_IRWXU != stat.S_IRWXU:
-            os.chmod(top, mode | stat.S_IRWXU)
+        if mode & wanted != wanted:
+            os.chmod(top, mode | wanted)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ import marshal
 import os
 import select
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,13 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             ends = False  # the run itself raises the message
         try:
             return super().run(command, limits=limits, mounts=mounts, cwd=cwd, env=env, verifier=verifier)
+        except SandboxError:
+            if not (ends and self.live):
+                raise
+            # Beside the environment it could not start (the agent locked its working directory, say): the
+            # environment ends and it runs as in a per-command sandbox, which any such sabotage only costs reward.
+            self.end()
+            return super().run(command, limits=limits, mounts=mounts, cwd=cwd, env=env, verifier=verifier)
         finally:
             if ends:
                 self.end()
@@ -180,7 +188,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         if self._host_uid is None or tools is None or not self.live or self._netns is None:
             return None
         hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid)
-        _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
+        _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"), stat.S_IRWXG)
         joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
         launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
         netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
