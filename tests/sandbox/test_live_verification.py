@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.sandbox import AttemptDirectory, LiveBubblewrapSandbox, SandboxLimits
-from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, beside_tools
+from tslightning.sandbox import AttemptDirectory, LiveBubblewrapSandbox, SandboxLimits, live_environment
+from tslightning.sandbox.errors import SandboxError
+from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, LAUNCHER, beside_argv
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_tasks" / "loopback-service"
 AGENT_UID = 61000
-root_only = pytest.mark.skipif(
-    os.geteuid() != 0 or beside_tools() is None, reason="a verifier beside the environment needs a root trainer"
-)
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a verifier beside the environment needs a root trainer")
 
 WATCHED_VERIFIER = """#!/bin/bash
 # Reward 0.25 only if the agent's background process ticked while this verifier ran (it was alive and attacking).
@@ -164,43 +163,50 @@ def _uid_of(pid: int) -> int | None:
 
 
 @root_only
-def test_an_honest_verifier_reads_the_agents_files_under_its_own_uid():
+def test_an_honest_verifier_owns_the_agents_files_as_the_agent_does():
     with AttemptDirectory() as directory:
         live = LiveBubblewrapSandbox(directory, limits=SandboxLimits(timeout_s=20))
         try:
-            live.run("mkdir -p out/deep && echo made > out/deep/file && echo kept > kept.txt && chmod 600 kept.txt")
+            live.run("mkdir -p out && echo made > out/file && echo kept > kept.txt && chmod 600 kept.txt")
             verifier = live.run(
-                "cat /app/out/deep/file; cat /app/kept.txt; touch /logs/verifier/mine",
+                "cat /app/out/file /app/kept.txt; stat -c '%a %u' /app/kept.txt; echo built > /app/out/binary;"
+                " touch /logs/verifier/mine",
                 mounts=("app", "tests", "logs"),
                 verifier=True,
             )
         finally:
             live.close()
-        # What the agent's group or everyone may read, it reads; an owner-only file it may not (see the module).
-        assert verifier.output == "made\ncat: /app/kept.txt: Permission denied\n", verifier.output
-        assert verifier.exit_code == 0 and (directory.logs / "mine").stat().st_uid == DEFAULT_VERIFIER_UID
+        # An owner-only file is readable, its mode unchanged; the verifier's writes in /app are the agent's on disk.
+        assert verifier.output == "made\nkept\n600 0\n" and verifier.exit_code == 0, verifier.output
+        assert (directory.app / "out" / "binary").stat().st_uid == AGENT_UID
+        assert (directory.logs / "mine").stat().st_uid == DEFAULT_VERIFIER_UID
+        assert not any(str(directory.root) in line for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
 @root_only
-def test_a_verifier_that_cannot_start_beside_runs_after_the_environment_ended():
+def test_a_verifier_that_cannot_start_beside_runs_after_the_environment_ended(monkeypatch):
+    def refuse(*args):
+        raise SandboxError("no idmapped mounts here")
+
+    monkeypatch.setattr(live_environment, "hand_over_to_verifier", refuse)
     with AttemptDirectory() as directory:
         live = LiveBubblewrapSandbox(directory, limits=SandboxLimits(timeout_s=20))
         try:
-            live.run("mkdir -p /app/locked && chmod 700 /app/locked; sleep 300 &")  # its owner's only
-            verifier = live.run(
-                "ps -e -o comm=; pwd", mounts=("app", "tests", "logs"), cwd="/app/locked", verifier=True
-            )
+            live.run("sleep 300 &")
+            verifier = live.run("ps -e -o comm=", mounts=("app", "tests", "logs"), verifier=True)
         finally:
             live.close()
-        assert verifier.exit_code == 0 and "sleep" not in verifier.output and "/app/locked" in verifier.output
+        assert verifier.exit_code == 0 and "sleep" not in verifier.output and not live.live
 
 
-def test_the_launcher_enters_the_network_then_drops_to_the_verifiers_uid():
-    argv = beside_argv(("/usr/bin/nsenter", "/usr/bin/setpriv"), 61001, 61000, 7, ["bwrap", "--args", "5"])
-    assert argv[:3] == ["/usr/bin/nsenter", "--net=/proc/self/fd/7", "--"]
-    assert argv[3:8] == ["/usr/bin/setpriv", "--reuid=61001", "--regid=61001", "--groups=61000", "--inh-caps=-all"]
-    assert argv[-3:] == ["bwrap", "--args", "5"]
-    assert beside_argv(("n", "s"), 61001, 61000, None, ["bwrap"])[0] == "s"  # its own network: no nsenter
+def test_the_launcher_enters_the_network_maps_the_agents_files_then_becomes_bwrap():
+    argv = beside_argv(61001, 61000, 7, ["/a/app", "/a/image-rw/root"], ["bwrap", "--args", "5"])
+    assert argv[1:5] == ["-I", "-S", "-B", str(LAUNCHER)] and argv[-4:] == ["--", "bwrap", "--args", "5"]
+    assert argv[5:-4] == ["--net", "7", "--uid", "61001", "--agent-uid", "61000", "--idmap", "/a/app"] + [
+        "--idmap",
+        "/a/image-rw/root",
+    ]
+    assert "--net" not in beside_argv(61001, 61000, None, [], ["bwrap"])  # its own network
 
 
 def test_the_verifier_uid_must_differ_from_the_agents():

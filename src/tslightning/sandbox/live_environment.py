@@ -26,7 +26,6 @@ import marshal
 import os
 import select
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -46,12 +45,7 @@ from tslightning.sandbox.bubblewrap import (
 )
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
-from tslightning.sandbox.live_verification import (
-    DEFAULT_VERIFIER_UID,
-    beside_argv,
-    beside_tools,
-    hand_over_to_verifier,
-)
+from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, hand_over_to_verifier
 from tslightning.sandbox.result import CommandResult
 from tslightning.sandbox.supervision import Launch
 
@@ -184,15 +178,16 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         verifier: bool,
     ) -> Launch | None:
         """The launch of a verifier run beside the running environment, or None where it cannot run beside it."""
-        tools = beside_tools()
-        if self._host_uid is None or tools is None or not self.live or self._netns is None:
+        if self._host_uid is None or not self.live or self._netns is None:
             return None
         hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid)
-        _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"), stat.S_IRWXG)
+        _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
         joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
         launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
         netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
-        argv = beside_argv(tools, self.verifier_uid, self._host_uid, netns, launch.argv)
+        agents = [self.attempt.host_path(mount) for mount in mounts if mount in LIVE_MOUNTS]
+        agents += list(self.root.writable.values()) if self.root is not None else []
+        argv = beside_argv(self.verifier_uid, self._host_uid, netns, agents, launch.argv)
         pass_fds = (*launch.pass_fds, *([netns] if netns is not None else []))
         return replace(launch, argv=argv, user=None, pass_fds=pass_fds)
 
