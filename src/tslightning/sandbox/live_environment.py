@@ -103,7 +103,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         self._keeper_log = None
         self._keeper_pid: int | None = None
         """Host pid of the environment's pid 1 (bwrap's child)."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a failed start ends the environment under the lock
         self.starts = 0
         """How many times the environment was started (a verifier run ends it; the next agent command restarts)."""
         self.startup: tuple[str, str, Mapping[str, str]] | None = None
@@ -180,7 +180,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         """The launch of a verifier run beside the running environment, or None where it cannot run beside it."""
         if self._host_uid is None or not self.live or self._netns is None:
             return None
-        hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid)
+        hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid, self.kept_owners())
         _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
         joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
         launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
@@ -202,7 +202,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
 
     def _ensure_live(self, limits: SandboxLimits) -> None:
         if self._host_uid is not None:
-            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid)
+            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid, self.kept_owners())
         _unlock_mount_points(self.attempt, LIVE_MOUNTS)
         if not self.live:
             self._start(limits)
@@ -210,7 +210,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
     def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
         self._pin_keeper()
         config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
-        config["env"] = dict(env)
+        config["env"] = self.agent_env(env)
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         request = _Descriptors()  # the configuration (any command length) travels in a memory file
         try:
@@ -258,7 +258,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                 command, cwd, env = self.startup
                 environment["startup"] = {
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
-                    "env": command_environment(env),
+                    "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
             options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]

@@ -48,16 +48,20 @@ LAUNCHER = Path(__file__).with_name("verifier_launcher.py")
 
 
 def hand_over_to_verifier(
-    attempt: AttemptDirectory, mounts: tuple[Mount, ...], agent_uid: int, verifier_uid: int
+    attempt: AttemptDirectory,
+    mounts: tuple[Mount, ...],
+    agent_uid: int,
+    verifier_uid: int,
+    kept: tuple[Mount, ...] = ("tests",),
 ) -> None:
     """Give the verifier's directories their owners: ``/logs/verifier`` to ``verifier_uid`` (mode 0700), the others
     (``/app``) to the agent's uid as for its own commands (the verifier sees them through idmapped binds), and the
-    attempt's root (and ``logs/``) searchable by the verifier's group.
+    attempt's root (and ``logs/``) searchable by the verifier's group; the ``kept`` mounts' files keep their owners.
 
     Raises:
         SandboxError: a directory could not be handed over.
     """
-    _hand_over(attempt, tuple(mount for mount in mounts if mount != "logs"), agent_uid)
+    _hand_over(attempt, tuple(mount for mount in mounts if mount != "logs"), agent_uid, kept)
     logs = attempt.host_path("logs")
     try:
         for parent in (attempt.root, *(p for p in logs.parents if attempt.root in p.parents)):

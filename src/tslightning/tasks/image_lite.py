@@ -7,7 +7,9 @@ order: ``RUN`` with ``/bin/sh -c`` in bubblewrap, as root of the build, with the
 registries answer on these machines; a Dockerfile that fetches from elsewhere is refused before any build as
 ``needs network at build``); ``COPY`` / ``ADD`` from ``environment/`` (files, directories, globs, local tar archives,
 heredocs; ``--chown`` / ``--chmod``); ``WORKDIR`` created; ``ENV`` for the later ``RUN`` steps and the attempts;
-``CMD`` / ``ENTRYPOINT`` kept as the environment's start-up command. ``USER`` is recorded, but commands run as root.
+``CMD`` / ``ENTRYPOINT`` kept as the environment's start-up command; ``USER``: the later ``RUN`` steps run as that
+user (its uid and gid on the host: a user namespace of bwrap's mapping them to themselves), and so do the attempts'
+commands and ``CMD`` (:mod:`~tslightning.tasks.image_user`).
 
 Builds are cached by content hash (the mapped base, every instruction, every file of the build context) under
 ``images/`` of the cache directory (:func:`~tslightning.tasks.offline_toolchain.default_cache_dir`); the base roots
@@ -33,6 +35,7 @@ from tslightning.sandbox import BASE_ENVIRONMENT
 from tslightning.sandbox.root_filesystem import REQUIRED_DIRS
 from tslightning.tasks.dockerfile import Dockerfile, Instruction, env_pairs
 from tslightning.tasks.environment_needs import base_of
+from tslightning.tasks.image_user import ROOT_IDS, home_of, resolve_user
 from tslightning.tasks.offline_toolchain import default_cache_dir
 
 BUILDER_VERSION = "1"
@@ -71,7 +74,9 @@ class ImageLite:
         env: ``ENV`` as the image ends with it.
         workdir: The last ``WORKDIR`` (``/`` when none).
         start_command: ``ENTRYPOINT`` + ``CMD`` as a shell command, or ``None``.
-        user: The last ``USER`` (recorded; commands run as root).
+        user: The last ``USER`` as written (``None``: root).
+        uid: That user's uid in the image (0 for root).
+        gid: Its gid.
         base: How the ``FROM`` image was mapped.
         build_s: Seconds the build took (0 when it came from the cache).
     """
@@ -83,6 +88,8 @@ class ImageLite:
     user: str | None
     base: str
     build_s: float = 0.0
+    uid: int = 0
+    gid: int = 0
 
 
 def builder_problem() -> str | None:
@@ -123,6 +130,8 @@ def image_key(dockerfile: Dockerfile, context: Path) -> str:
     for instruction in dockerfile.instructions:
         fields = (instruction.keyword, instruction.arguments, instruction.flags, instruction.heredocs)
         digest.update(repr(fields).encode())
+        if instruction.keyword == "USER":  # honoured since builder 1 + USER: not an image built before
+            digest.update(b"USER honoured")
     for path in sorted(context.rglob("*")):
         if path.is_file() and not path.is_symlink():
             digest.update(f"{path.relative_to(context)}|{path.stat().st_mode & 0o777}|".encode())
@@ -167,7 +176,7 @@ def _build(dockerfile, context, base, target, choice, started, deadline, log) ->
     building.mkdir(parents=True)
     rootfs = building / "rootfs"
     subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], check=True)
-    state = {"env": {}, "workdir": "/", "start": None, "user": None}
+    state = {"env": {}, "workdir": "/", "start": None, "user": None, "ids": ROOT_IDS}
     try:
         for instruction in dockerfile.instructions:
             _apply(instruction, rootfs, context, state, deadline, log)
@@ -184,6 +193,8 @@ def _build(dockerfile, context, base, target, choice, started, deadline, log) ->
         user=state["user"],
         base=choice.note,
         build_s=time.monotonic() - started,
+        uid=state["ids"][0],
+        gid=state["ids"][1],
     )
     manifest = {key: value for key, value in image.__dict__.items() if key != "rootfs"}
     (building / "image.json").write_text(json.dumps(manifest, indent=1))
@@ -203,7 +214,11 @@ def _apply(instruction: Instruction, rootfs: Path, context: Path, state: dict, d
     elif keyword in ("COPY", "ADD"):
         _copy(instruction, rootfs, context, state)
     elif keyword == "USER":
-        state["user"] = instruction.arguments
+        try:
+            state["ids"] = resolve_user(rootfs, instruction.arguments, instruction.line)
+        except ValueError as error:
+            raise ImageBuildError(str(error)) from error
+        state["user"] = instruction.arguments if state["ids"] != ROOT_IDS else None
     elif keyword in ("CMD", "ENTRYPOINT"):
         state["start_" + keyword.lower()] = instruction.shell_command
         parts = [state.get("start_entrypoint"), state.get("start_cmd")]
@@ -230,6 +245,10 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         "/tmp",
     ]
     argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if os.path.exists("/etc/resolv.conf") else []
+    uid, gid = state["ids"]
+    if (uid, gid) != ROOT_IDS:  # as the USER: bwrap started as its host ids maps them to themselves
+        argv += ["--unshare-user", "--uid", str(uid), "--gid", str(gid)]
+        env["HOME"] = home_of(rootfs, uid)
     argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session"]
     argv += ["--chdir", state["workdir"], "--clearenv"]
     for name, value in env.items():
@@ -239,7 +258,13 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
     if remaining <= 0:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: the build ran past its build_timeout_sec")
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=remaining)
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=remaining,
+            **({"user": uid, "group": gid, "extra_groups": []} if (uid, gid) != ROOT_IDS else {}),
+        )
     except subprocess.TimeoutExpired as error:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN ran past the build_timeout_sec") from error
     output = done.stdout + done.stderr
