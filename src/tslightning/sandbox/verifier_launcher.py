@@ -78,14 +78,16 @@ def _idmap_namespace(agent: int, uid: int) -> int:
     """A user namespace whose maps send host ``agent`` to ``uid`` (uids and gids), as a descriptor: the idmapping
     of the binds. A child creates it; this process (root) writes its maps, keeps the descriptor, and ends the child."""
     ready_read, ready_write = os.pipe()
+    hold_read, hold_write = os.pipe()
     child = os.fork()
     if child == 0:
-        os.close(ready_read)
-        os.write(ready_write, b"." if _libc.unshare(CLONE_NEWUSER) == 0 else b"!")
-        os.close(ready_write)
-        while True:
-            os.pause()
+        try:
+            os.write(ready_write, b"." if _libc.unshare(CLONE_NEWUSER) == 0 else b"!")
+            os.read(hold_read, 1)  # until this process kills it (or dies: end of file)
+        finally:
+            os._exit(0)
     os.close(ready_write)
+    os.close(hold_read)
     try:
         if os.read(ready_read, 1) != b".":
             raise OSError("could not create the idmapping's user namespace")
@@ -97,6 +99,7 @@ def _idmap_namespace(agent: int, uid: int) -> int:
         os.close(ready_read)
         os.kill(child, 9)
         os.waitpid(child, 0)
+        os.close(hold_write)
 
 
 def _idmapped_bind(path: str, userns: int) -> None:
