@@ -3,9 +3,10 @@
 The ``FROM`` image is mapped to a Debian root built from the package mirror with ``mmdebstrap`` (:func:`base_for`:
 ``python:3.X`` → the Debian suite with the nearest Python, plus pip, venv and ``python``; ``debian:<suite>``; and
 ``ubuntu:*`` → Debian trixie standing in, with ``python3`` added for the sandbox's init). Then the instructions run in
-order: ``RUN`` with ``/bin/sh -c`` in bubblewrap, as root of the build, with the network (only the package
-registries answer on these machines; a Dockerfile that fetches from elsewhere is refused before any build as
-``needs network at build``); ``COPY`` / ``ADD`` from ``environment/`` (files, directories, globs, local tar archives,
+order: ``RUN`` with ``/bin/sh -c`` in bubblewrap, as root of the build, with network to the package registries only
+(:mod:`~tslightning.tasks.build_network`: a proxy that refuses other hosts; a Dockerfile that visibly fetches from
+elsewhere is refused before any build, one that does it at run time fails as ``needs network at build``);
+``COPY`` / ``ADD`` from ``environment/`` (files, directories, globs, local tar archives,
 heredocs; ``--chown`` / ``--chmod``); ``WORKDIR`` created; ``ENV`` for the later ``RUN`` steps and the attempts;
 ``CMD`` / ``ENTRYPOINT`` kept as the environment's start-up command; ``USER``: the later ``RUN`` steps run as that
 user (its uid and gid on the host: a user namespace of bwrap's mapping them to themselves), and so do the attempts'
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from tslightning.sandbox import BASE_ENVIRONMENT
 from tslightning.sandbox.root_filesystem import REQUIRED_DIRS
+from tslightning.tasks.build_network import PROXY_ENV, allowed_hosts, run_step
 from tslightning.tasks.dockerfile import Dockerfile, Instruction, env_pairs
 from tslightning.tasks.environment_needs import base_of
 from tslightning.tasks.image_user import ROOT_IDS, home_of, resolve_user
@@ -49,7 +51,15 @@ _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 
 
 class ImageBuildError(RuntimeError):
-    """The image could not be built (the message names the Dockerfile line and the output's tail)."""
+    """The image could not be built (the message names the Dockerfile line and the output's tail).
+
+    Attributes:
+        needs: What the build needed that it could not have here (``needs network at build``), else ``None``.
+    """
+
+    def __init__(self, message: str, needs: str | None = None) -> None:
+        super().__init__(message)
+        self.needs = needs
 
 
 @dataclass(frozen=True)
@@ -227,9 +237,10 @@ def _apply(instruction: Instruction, rootfs: Path, context: Path, state: dict, d
 
 
 def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, log) -> None:
-    """One ``RUN`` in bubblewrap over the image root, with the network (see the module docstring)."""
+    """One ``RUN`` in bubblewrap over the image root, its network the package registries' only (see the module
+    docstring and :mod:`~tslightning.tasks.build_network`)."""
     script = instruction.heredocs[0] if instruction.arguments.startswith("<<") else instruction.shell_command
-    env = {"PATH": BASE_ENVIRONMENT["PATH"], "HOME": "/root", "LANG": "C.UTF-8", **state["env"]}
+    env = {"PATH": BASE_ENVIRONMENT["PATH"], "HOME": "/root", "LANG": "C.UTF-8", **state["env"], **PROXY_ENV}
     argv = [
         "bwrap",
         "--bind",
@@ -244,7 +255,6 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         "--tmpfs",
         "/tmp",
     ]
-    argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if os.path.exists("/etc/resolv.conf") else []
     uid, gid = state["ids"]
     if (uid, gid) != ROOT_IDS:  # as the USER: bwrap started as its host ids maps them to themselves
         argv += ["--unshare-user", "--uid", str(uid), "--gid", str(gid)]
@@ -257,22 +267,22 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: the build ran past its build_timeout_sec")
+    user = {"user": uid, "group": gid, "extra_groups": []} if (uid, gid) != ROOT_IDS else {}
     try:
-        done = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=remaining,
-            **({"user": uid, "group": gid, "extra_groups": []} if (uid, gid) != ROOT_IDS else {}),
-        )
+        code, output, refused = run_step(argv, state.setdefault("allowed", allowed_hosts(rootfs)), remaining, **user)
     except subprocess.TimeoutExpired as error:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN ran past the build_timeout_sec") from error
-    output = done.stdout + done.stderr
     if log is not None:
         log.write(output)
-    if done.returncode != 0:
-        tail = output.decode("utf-8", "replace").strip()[-1500:]
-        raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {done.returncode}: {tail}")
+    tail = output.decode("utf-8", "replace").strip()[-1500:]
+    if refused:
+        raise ImageBuildError(
+            f"Dockerfile:{instruction.line}: needs network at build: RUN fetched from {', '.join(refused)} (only "
+            f"the package registries are reachable; exit status {code}): {tail}",
+            needs="needs network at build",
+        )
+    if code != 0:
+        raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {code}: {tail}")
 
 
 def _copy(instruction: Instruction, rootfs: Path, context: Path, state: dict) -> None:

@@ -122,7 +122,7 @@ def validate_task(
         try:
             image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
         except ImageBuildError as error:
-            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",))
+            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",), needs=error.needs)
         build_s = image.build_s if image.build_s else time.perf_counter() - started
     (noop, noop_setup), (reference, reference_setup) = (
         _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
