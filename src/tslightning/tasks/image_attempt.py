@@ -5,7 +5,9 @@ A task whose environment needs a build (:mod:`~tslightning.tasks.environment_nee
 :func:`~tslightning.tasks.image_lite.build_image` (cached by content hash, so every attempt after the first finds
 it). Each attempt then sees the image's root read-only, its own copies of the image's ``/app``, working directory,
 ``/root``, ``/home`` and ``/var/tmp`` writable, and the image's ``CMD`` started in the background when the
-environment starts (see :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`).
+environment starts (see :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`). An image with a
+non-root ``USER`` runs the agent's commands and ``CMD`` as that user, the copies keeping the image's owners
+(:mod:`~tslightning.tasks.image_user`).
 """
 
 from __future__ import annotations
