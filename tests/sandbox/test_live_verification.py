@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.sandbox import AttemptDirectory, LiveBubblewrapSandbox, SandboxLimits, live_environment
+from tslightning.sandbox import (
+    AttemptDirectory,
+    LiveBubblewrapSandbox,
+    SandboxLimits,
+    live_environment,
+    live_verification,
+)
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, LAUNCHER, beside_argv
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
@@ -184,11 +190,17 @@ def test_an_honest_verifier_owns_the_agents_files_as_the_agent_does():
 
 
 @root_only
-def test_a_verifier_that_cannot_start_beside_runs_after_the_environment_ended(monkeypatch):
+@pytest.mark.parametrize("where", ["hand-over", "launcher"])
+def test_a_verifier_that_cannot_start_beside_runs_after_the_environment_ended(where, monkeypatch, tmp_path):
     def refuse(*args):
         raise SandboxError("no idmapped mounts here")
 
-    monkeypatch.setattr(live_environment, "hand_over_to_verifier", refuse)
+    if where == "hand-over":
+        monkeypatch.setattr(live_environment, "hand_over_to_verifier", refuse)
+    else:  # the launcher exits before bwrap (a kernel or file system without idmapped mounts)
+        failing = tmp_path / "launcher.py"
+        failing.write_text("import sys\nsys.exit('tsl-verifier-launcher: could not idmap /app')\n")
+        monkeypatch.setattr(live_verification, "LAUNCHER", failing)
     with AttemptDirectory() as directory:
         live = LiveBubblewrapSandbox(directory, limits=SandboxLimits(timeout_s=20))
         try:
