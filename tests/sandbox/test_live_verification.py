@@ -31,13 +31,16 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="a verifier beside the 
 WATCHED_VERIFIER = """#!/bin/bash
 # Reward 0.25 only if the agent's background process ticked while this verifier ran (it was alive and attacking).
 mkdir -p /logs/verifier
-before=$(wc -l < /app/ticks)
-sleep 1.5
-after=$(wc -l < /app/ticks)
-if [ "$after" -gt "$before" ]; then reward=0.25; else reward=0.75; fi
+ticked() {
+    local before
+    before=$(wc -l < /app/ticks)
+    for _ in $(seq 400); do [ "$(wc -l < /app/ticks)" -gt "$before" ] && return 0; sleep 0.1; done
+    return 1
+}
+if ticked; then reward=0.25; else reward=0.75; fi
 echo $reward > /logs/verifier/reward.txt
-ls /proc/$$/fd > /tmp/fds && echo "descriptors: $(tr '\n' ' ' < /tmp/fds)"
-sleep 1  # the attacker gets another round after the write
+ls /proc/$$/fd > /tmp/fds && echo "descriptors: $(tr '\\n' ' ' < /tmp/fds)"
+ticked && ticked  # the attacker gets at least one whole round after the write
 """
 
 FORGER = r"""cat > /tmp/forge.sh <<'EOF'
@@ -124,7 +127,10 @@ def test_the_verifiers_processes_and_logs_are_closed_to_the_agents_uid(attempt, 
     process under the agent's host uid can neither signal them, nor open their root, nor open the directory."""
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test.sh").write_text("#!/bin/bash\necho 0.5 > /logs/verifier/reward.txt\nsleep 4\n")
+    (tests / "test.sh").write_text(  # runs until the probe below is done (at most 60 s)
+        "#!/bin/bash\necho 0.5 > /logs/verifier/reward.txt\n"
+        "for _ in $(seq 600); do [ -e /app/probed ] && break; sleep 0.1; done\n"
+    )
     verifying = threading.Thread(target=attempt.verify, kwargs={"tests": tests})
     verifying.start()
     try:
@@ -138,7 +144,8 @@ def test_the_verifiers_processes_and_logs_are_closed_to_the_agents_uid(attempt, 
         argv = ["/usr/bin/python3", "-I", "-c", probe, str(attempt.attempt.logs), *map(str, pids)]
         answers = subprocess.run(argv, user=AGENT_UID, group=AGENT_UID, capture_output=True, text=True, timeout=30)
     finally:
-        verifying.join(timeout=60)
+        (attempt.attempt.app / "probed").touch()
+        verifying.join(timeout=90)
     assert answers.stdout.split() == ["refused"] * (1 + 3 * len(pids)), answers
     assert attempt.verification.passed_fraction == 0.5
     logs = os.stat(attempt.attempt.logs)
