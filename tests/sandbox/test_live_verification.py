@@ -140,13 +140,15 @@ def test_the_verifiers_processes_and_logs_are_closed_to_the_agents_uid(attempt, 
             "for action in [lambda: os.listdir(logs)] + [f for p in pids for f in (lambda p=p: os.kill(int(p), 0),"
             " lambda p=p: os.listdir(f'/proc/{p}/root'), lambda p=p: os.listdir(f'/proc/{p}/cwd'))]:\n"
             "    try:\n        action(); print('reached')\n    except PermissionError:\n        print('refused')\n"
+            "    except (ProcessLookupError, FileNotFoundError):\n        print('gone')\n"  # a short-lived one
         )
         argv = ["/usr/bin/python3", "-I", "-c", probe, str(attempt.attempt.logs), *map(str, pids)]
         answers = subprocess.run(argv, user=AGENT_UID, group=AGENT_UID, capture_output=True, text=True, timeout=30)
     finally:
         (attempt.attempt.app / "probed").touch()
         verifying.join(timeout=90)
-    assert answers.stdout.split() == ["refused"] * (1 + 3 * len(pids)), answers
+    answers = answers.stdout.split()
+    assert len(answers) == 1 + 3 * len(pids) and "reached" not in answers and answers.count("refused") >= 4, answers
     assert attempt.verification.passed_fraction == 0.5
     logs = os.stat(attempt.attempt.logs)
     assert (logs.st_uid, logs.st_mode & 0o777) == (DEFAULT_VERIFIER_UID, 0o700)
