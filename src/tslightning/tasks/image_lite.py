@@ -239,7 +239,7 @@ def _apply(instruction: Instruction, rootfs: Path, context: Path, state: dict, d
 def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, log) -> None:
     """One ``RUN`` in bubblewrap over the image root, its network the package registries' only (see the module
     docstring and :mod:`~tslightning.tasks.build_network`)."""
-    script = instruction.heredocs[0] if instruction.arguments.startswith("<<") else instruction.shell_command
+    script = instruction.run_script
     env = {"PATH": BASE_ENVIRONMENT["PATH"], "HOME": "/root", "LANG": "C.UTF-8", **state["env"], **PROXY_ENV}
     argv = [
         "bwrap",
