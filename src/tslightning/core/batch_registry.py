@@ -45,10 +45,11 @@ class BatchPlan:
         global_num_prompts: P of the token weights 1/(P·L_i) (App. D.1) across all learner ranks; ``None``
             means this rank holds the whole batch, P = ``len(group_sizes)``. A rank may hold no group at all
             (more ranks than groups) only when this is given.
-        trajectories: OPD on several ranks: group id → the trajectory indices of that group this rank serves
-            (each trajectory, with all of its turns, lives on one rank; see
-            :mod:`tslightning.distributed.rank_assignment`). ``None``: every index ``0 <= i < m``. GRPO groups are never
-            split (advantages need the whole group).
+        trajectories: OPD, or GRPO with spread groups, on several ranks: group id → the trajectory indices of that
+            group this rank serves (each trajectory, with all of its turns, lives on one rank; see
+            :mod:`tslightning.distributed.rank_assignment`). ``None``: every index ``0 <= i < m``. A GRPO group is
+            split only under sharded statistics, whose exchange gives every rank all m rewards (the learner refuses
+            a split GRPO group otherwise); ``group_sizes`` keeps the global m either way.
     """
 
     objective: Objective
@@ -89,8 +90,6 @@ class BatchPlan:
             self._check_trajectories()
 
     def _check_trajectories(self) -> None:
-        if self.objective is not Objective.OPD:
-            raise SourceError("BatchPlan.trajectories splits OPD groups across ranks; a GRPO group stays on one rank")
         if set(self.trajectories) != set(self.group_sizes):
             raise SourceError(
                 f"BatchPlan.trajectories names groups {sorted(self.trajectories)} but group_sizes registers "

@@ -24,7 +24,7 @@ scalar, and each DTensor parameter's ``.grad`` is the matching view of the shard
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +105,9 @@ class StatisticsShards:
         """The shard statistics; :attr:`GroupAccumulator.held_numel` counts shard values."""
         self._staged: tuple[Contribution, Sequence[torch.Tensor]] | None = None
         self._closed: dict[str, GroupReduction] = {}
+        self.on_close: Callable[[str], None] | None = None
+        """Called with a group's id when it closes here (its last source's shard folded): the same exchange on
+        every rank, so ranks that spread groups agree on which groups are open."""
 
     def begin_batch(self) -> None:
         """Start a logical batch: check the parameters (:meth:`check_parameters`), then :meth:`reset`."""
@@ -169,6 +172,8 @@ class StatisticsShards:
         self.groups.add_flat(c.group_id, c.group_size, c.reward, shard)
         if self.groups.is_complete(c.group_id):
             self._closed[c.group_id] = self.groups.close(c.group_id)
+            if self.on_close is not None:
+                self.on_close(c.group_id)
 
     def close(self, group_id: str) -> GroupReduction:
         """The reduction of group ``group_id``, which closed here when its last source's shard was folded.

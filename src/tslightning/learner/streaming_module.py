@@ -61,9 +61,10 @@ from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBa
 from tslightning.learner.group_admission import GroupAdmission
 from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
+from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
-from tslightning.learner.update_stream import UpdateStreamHooks, check_token_range
+from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import scored_logprobs
 
@@ -81,7 +82,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         advantage_epsilon: ε of Eq. 6.
         max_grad_norm: Global-norm clipping threshold applied to the batch direction (Table 5: 1.0); ``None`` when
             a :class:`~tslightning.callbacks.GradientClipping` callback clips instead.
-        group_admission_cap: Per-rank cap k on GRPO groups holding statistics (App. D.3); ``None`` for no cap.
+        group_admission_cap: Cap k on GRPO groups holding statistics (App. D.3), per rank, or over all ranks for
+            groups spread under ``shard_statistics`` (:mod:`tslightning.learner.spread_groups`); ``None``: no cap.
         optimizer: AdamW settings used by :meth:`configure_optimizers`.
         accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
         sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule (sources sorted by length, so a
@@ -161,6 +163,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype) if boundary else None
         """OPD turn-boundary backward (``context_backward="boundary"``): turn graphs of open trajectories."""
         self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
+        self.spread: SpreadGroups | None = None
+        """The open batch's GRPO groups spread over ranks (sharded statistics), or ``None``: whole groups."""
         self.last_direction: torch.Tensor | None = None
         self.last_update: UpdateResult | None = None
         self._registry: BatchRegistry | None = None
@@ -193,16 +197,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f"and accepts a policy lag of at most {self.max_policy_lag}"
                 + (" (zero-staleness schedule)" if self.max_policy_lag == 0 else "")
             )
-        if plan.objective is not self.objective:
-            raise SourceError(
-                f"BatchPlan.objective is {plan.objective.value}; this module trains {self.objective.value}"
-            )
-        small = {g: m for g, m in plan.group_sizes.items() if m < self.advantage.min_group_size}
-        if self.objective is Objective.GRPO and small:
-            raise SourceError(
-                f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
-                f">= {self.advantage.min_group_size} trajectories per group"
-            )
+        check_plan(plan, self.objective, self.advantage)
+        serve = lambda source: self._serve([source], lambda: self._fold_trajectory(source))  # noqa: E731
+        self.spread = spread_groups(plan, self.shards, self.admission.cap, serve)  # refuses a split without shards
         if self.shards is not None:
             self.shards.begin_batch()  # checks the parameters are FSDP2 shards first
         self.lockstep = self._lockstep_ticks()
@@ -251,6 +248,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _admit_grpo(self, item: TrajectorySource | GroupClosed) -> None:
         """Run GRPO work in readiness order, holding back groups beyond the admission cap (App. D.3)."""
+        if self.spread is not None:
+            return self.spread.offer(item)  # closes follow the global count
         work = deque(self.admission.offer(item.group_id, item))
         while work:
             admitted = work.popleft()
@@ -294,6 +293,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 self._compute_sync_direction(registry.plan)
             if self.lockstep is not None:
                 self.lockstep.drain(self.policy_version)
+            if self.spread is not None and self.schedule is not Schedule.SYNC:
+                self._reductions = self.spread.reductions(self.shards)
             if self.schedule is Schedule.SYNC:
                 self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
         agree_to_step(self.policy_version)
@@ -388,8 +389,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         sources = sorted(self._held_sources, key=source_key)
         coefficients = [1.0] * len(sources)
         if self.objective is Objective.GRPO:
+            rewards = None if self.spread is None else global_rewards(sources)  # a spread group's m rewards
             coefficients, self._reductions = trajectory_coefficients(
-                sources, plan, self.advantage, self.advantage_epsilon
+                sources, plan, self.advantage, self.advantage_epsilon, rewards
             )
         for chunk, weights in micro_batches(sources, coefficients, self.sync_micro_batch_size):
             self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))

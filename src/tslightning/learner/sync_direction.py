@@ -25,20 +25,32 @@ def source_key(source: Source) -> tuple:
 
 
 def trajectory_coefficients(
-    sources: list[TrajectorySource], plan: BatchPlan, estimator: AdvantageEstimator, epsilon: float
+    sources: list[TrajectorySource],
+    plan: BatchPlan,
+    estimator: AdvantageEstimator,
+    epsilon: float,
+    group_rewards: dict[str, dict[int, float]] | None = None,
 ) -> tuple[list[float], list[GroupReduction]]:
     """Per-trajectory weight A_i / (m · P · L_i) of the batch objective, with batch-form advantages (Eq. 6), and each
-    group's reduction (in the order groups first appear in ``sources``)."""
+    group's reduction (in the order groups first appear in ``sources``).
+
+    ``group_rewards`` (group → trajectory index → reward, all m of each group) gives the rewards of groups spread
+    over ranks (:func:`tslightning.learner.spread_groups.global_rewards`); ``None``: ``sources`` hold whole groups.
+    """
     by_group: dict[str, list[TrajectorySource]] = {}
     for s in sources:
         by_group.setdefault(s.group_id, []).append(s)
     weights: dict[tuple[str, int], float] = {}
     reductions = []
     for group_id, members in by_group.items():
-        rewards = [s.reward for s in members]
-        advantages = group_advantages(rewards, estimator, epsilon)
-        for s, a in zip(members, advantages.tolist(), strict=True):
-            weights[(group_id, s.trajectory_index)] = a / (len(members) * plan.num_prompts * s.num_scored)
+        everyone = {s.trajectory_index: s.reward for s in members} if group_rewards is None else group_rewards[group_id]
+        indices = sorted(everyone)
+        rewards = [everyone[i] for i in indices]
+        advantages = dict(zip(indices, group_advantages(rewards, estimator, epsilon).tolist(), strict=True))
+        for s in members:
+            weights[(group_id, s.trajectory_index)] = advantages[s.trajectory_index] / (
+                len(rewards) * plan.num_prompts * s.num_scored
+            )
         uniform = is_uniform(rewards)
         scale = 0.0 if uniform else advantage_scale(rewards, estimator, epsilon)
         reductions.append(GroupReduction(group_id, tuple(rewards), group_mean(rewards), scale, uniform))

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tslightning.core.batch_registry import BatchPlan
+from tslightning.core.batch_registry import BatchPlan, Objective
 from tslightning.core.sources import (
     BatchClosed,
     GroupClosed,
@@ -29,6 +29,7 @@ from tslightning.core.sources import (
 )
 from tslightning.learner.update_log import log_update_metrics
 from tslightning.learner.update_result import UpdateResult
+from tslightning.objectives.advantages import AdvantageEstimator
 
 
 class UpdateStreamHooks:
@@ -185,4 +186,16 @@ def check_token_range(policy: torch.nn.Module, source: Source) -> None:
         raise SourceError(
             f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "
             "the rollout engine and learner must share one tokenizer"
+        )
+
+
+def check_plan(plan: BatchPlan, objective: Objective, advantage: AdvantageEstimator) -> None:
+    """Refuse a plan for another objective, or GRPO groups too small for the ``advantage`` estimator."""
+    if plan.objective is not objective:
+        raise SourceError(f"BatchPlan.objective is {plan.objective.value}; this module trains {objective.value}")
+    small = {g: m for g, m in plan.group_sizes.items() if m < advantage.min_group_size}
+    if objective is Objective.GRPO and small:
+        raise SourceError(
+            f"BatchPlan.group_sizes {small} are too small for advantage {advantage.value!r}, which needs "
+            f">= {advantage.min_group_size} trajectories per group"
         )
