@@ -7,8 +7,8 @@ and its parameters to ``OUT/<case>/rank<r>.pt``. :func:`run_case` with ``fabric=
 the test computes in its own process.
 
 Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), optionally followed by ``-sharded``
-(``shard_statistics``), ``-odd`` (an MLP width of 255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``)
-and an advantage estimator
+(``shard_statistics``), ``-spread`` (GRPO groups dealt over the ranks by trajectory), ``-odd`` (an MLP width of
+255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``) and an advantage estimator
 (``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
@@ -73,7 +73,7 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
     objective, schedule, *options = case.split("-")
     sharded = "sharded" in options
-    advantage = next((option for option in options if option not in ("sharded", "odd", "cap1")), "grpo")
+    advantage = next((option for option in options if option not in ("sharded", "spread", "odd", "cap1")), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
         make_policy(dtype, 255 if "odd" in options else 256),
@@ -89,7 +89,7 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
     record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": [], "held": []}
     for k, batch in enumerate(make_batches(objective, dtype)):
-        assignment, shares = split_replay_batch(batch, world_size)
+        assignment, shares = split_replay_batch(batch, world_size, spread="spread" in options)
         share = shares[rank]
         if schedule == "thundersync":
             share = share.reordered(torch.Generator().manual_seed(100 * k + rank))

@@ -13,7 +13,7 @@ groups at once:
   closes a group on every rank at the exchange that folds its m-th source, whichever rank served it; that close
   releases the next waiting group. A rank's own :class:`GroupClosed` only tells its registry that its part arrived.
 * **Sync batches gather the rewards.** The batch-form advantages of Eq. 6 need all m rewards of a group: one
-  control all-gather of (group, index, reward) per barrier.
+  control all-gather of (group, index, reward) per barrier, once every rank has reached it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tslightning.core.batch_registry import BatchPlan, Objective
 from tslightning.core.group_accumulator import GroupReduction
 from tslightning.core.sources import GroupClosed, SourceError, TrajectorySource
 from tslightning.distributed.collectives import control_all_gather
+from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.statistics_shards import StatisticsShards
 
 
@@ -104,8 +105,16 @@ class SpreadGroups:
         return [shards.close(g) for g in self.plan.group_sizes]
 
 
-def global_rewards(sources: list[TrajectorySource]) -> dict[str, dict[int, float]]:
-    """Every rank's (group → trajectory index → reward) of its held ``sources``, merged (a control all-gather)."""
+def global_rewards(
+    sources: list[TrajectorySource], lockstep: LockstepTicks | None, update: int
+) -> dict[str, dict[int, float]]:
+    """Every rank's (group → trajectory index → reward) of its held ``sources``, merged (a control all-gather).
+
+    Ranks tick once per ingested item, so they reach the barrier after different numbers of ticks: ``lockstep`` is
+    drained first (every rank at the barrier, no work queued), then all ranks enter the gather together.
+    """
+    if lockstep is not None:
+        lockstep.drain(update)
     rewards: dict[str, dict[int, float]] = {}
     for share in control_all_gather([(s.group_id, s.trajectory_index, s.reward) for s in sources]):
         for group_id, index, reward in share:

@@ -389,7 +389,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         sources = sorted(self._held_sources, key=source_key)
         coefficients = [1.0] * len(sources)
         if self.objective is Objective.GRPO:
-            rewards = None if self.spread is None else global_rewards(sources)  # a spread group's m rewards
+            rewards = None if self.spread is None else global_rewards(sources, self.lockstep, self.policy_version)
             coefficients, self._reductions = trajectory_coefficients(
                 sources, plan, self.advantage, self.advantage_epsilon, rewards
             )
