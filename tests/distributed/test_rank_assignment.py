@@ -16,6 +16,7 @@ from tslightning.distributed.rank_assignment import (
     units_of,
 )
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
+from tslightning.learner.spread_groups import spread_groups
 
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=3)
 
@@ -58,6 +59,34 @@ def test_grpo_ranks_get_whole_groups_and_the_global_prompt_count(vocab_size):
     assert assignment.units_per_rank() == [len(g) for g in groups]
 
 
+def test_spread_grpo_groups_deal_each_group_over_the_ranks(vocab_size):
+    """Spread (sharded statistics): trajectories round-robin, so every rank holds part of every group (m >= W)."""
+    batch = synthetic_grpo_batch(vocab_size, 0, torch.Generator().manual_seed(1), SHAPE)
+    assignment, shares = split_replay_batch(batch, 2, spread=True)
+    assert units_of(batch.plan, spread=True) == [(g, i) for g in batch.plan.group_sizes for i in range(3)]
+    assert assignment.units_per_rank() == [8, 7]  # 15 trajectories dealt in turn
+    held = {}
+    for rank, share in enumerate(shares):
+        assert list(share.plan.group_sizes) == list(batch.plan.group_sizes)  # every group, in plan order
+        assert dict(share.plan.group_sizes) == dict(batch.plan.group_sizes)  # the global m for the advantage
+        assert share.plan.num_prompts == 5
+        sources = [i for i in share.items if isinstance(i, TrajectorySource)]
+        for s in sources:
+            assert assignment.owns(rank, s.group_id, s.trajectory_index)
+            assert not assignment.owns(1 - rank, s.group_id, s.trajectory_index)
+            held.setdefault(s.group_id, set()).add((rank, s.trajectory_index))
+        assert {s.trajectory_index for s in sources if s.group_id == "group-0"} == set(
+            share.plan.trajectory_indices("group-0")
+        )
+        _replay_through_registry(share)  # a partial group closes in this rank's registry
+    for pairs in held.values():
+        assert {r for r, _ in pairs} == {0, 1} and sorted(i for _, i in pairs) == [0, 1, 2]
+    whole, _ = split_replay_batch(batch, 2)
+    assert not whole.spread and all(i is None for _, i in whole.owners)  # spreading is opt-in: whole groups
+    with pytest.raises(ValueError, match="spread groups are a GRPO assignment"):
+        RankAssignment.spread_groups(BatchPlan(Objective.OPD, 0, {"g": 2}), 2)
+
+
 def test_opd_trajectories_keep_all_turns_on_one_rank(vocab_size, teacher64):
     batch = synthetic_opd_batch(vocab_size, 0, torch.Generator().manual_seed(2), teacher64, SHAPE)
     _, shares = split_replay_batch(batch, 3)
@@ -88,8 +117,10 @@ def test_a_rank_without_sources_still_closes_its_batch():
 
 
 def test_plan_trajectories_are_validated_and_foreign_turns_rejected(vocab_size, teacher64):
-    with pytest.raises(SourceError, match="GRPO group stays on one rank"):
-        BatchPlan(Objective.GRPO, 0, {"g": 2}, trajectories={"g": (0,)})
+    split = BatchPlan(Objective.GRPO, 0, {"g": 2}, trajectories={"g": (0,)})  # spread groups (sharded statistics)
+    assert split.trajectory_indices("g") == frozenset({0}) and split.num_trajectories == 1
+    with pytest.raises(SourceError, match="GRPO groups over ranks, which needs learner.shard_statistics"):
+        spread_groups(split, None, None, lambda source: None)  # the learner refuses it without sharded statistics
     with pytest.raises(SourceError, match="distinct indices"):
         BatchPlan(Objective.OPD, 0, {"g": 2}, trajectories={"g": (0, 2)})
     batch = synthetic_opd_batch(vocab_size, 0, torch.Generator().manual_seed(3), teacher64, SHAPE)

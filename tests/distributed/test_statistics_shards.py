@@ -22,6 +22,11 @@ SHARDED = [f"grpo-thundersync-sharded-odd-{e}" for e in ESTIMATORS] + [
     "grpo-sync-sharded-odd-grpo",
     "grpo-thundersync-sharded-odd-cap1-grpo",
 ]
+SPREAD = [f"grpo-thundersync-sharded-spread-odd-{e}" for e in ESTIMATORS] + [
+    "grpo-sync-sharded-spread-odd-grpo",
+    "grpo-thundersync-sharded-spread-odd-cap1-grpo",
+]
+"""GRPO groups dealt over both ranks by trajectory (``-spread``): the ranks work on the same groups at once."""
 WHOLE = "grpo-thundersync-odd-grpo"
 WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
 """Whole statistics under lock-step with an admission cap: a released group closes after its queued folds."""
@@ -30,7 +35,7 @@ WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
-    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, "fail-pass-sharded", timeout=400)
+    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, *SPREAD, "fail-pass-sharded", timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
@@ -51,7 +56,7 @@ def _replay(case: str) -> dict:
     return run_case(f"grpo-sync-odd-{case.rsplit('-', 1)[1]}", None, torch.float64)
 
 
-@pytest.mark.parametrize("case", [*SHARDED, WHOLE_CAPPED])
+@pytest.mark.parametrize("case", [*SHARDED, *SPREAD, WHOLE_CAPPED])
 def test_the_update_equals_the_sync_replay(fsdp_run, case):
     """Sharded statistics (every estimator, sync too, under a cap) and whole ones under a cap: the sync replay."""
     ranks = [_load(fsdp_run, "fsdp", case, r) for r in (0, 1)]
@@ -93,6 +98,22 @@ def test_each_rank_holds_its_shard_of_every_statistic(fsdp_run):
                     assert 1 <= open_groups <= sum(whole_open)
                 if "cap1" in case:  # one group per rank: 2·2 + 1 shards, fewer values than 2·1 + 1 whole vectors
                     assert open_groups <= 2 and peak < 3 * numel
+
+
+def test_spread_groups_hold_the_globally_open_groups_only(fsdp_run):
+    """Spread, both ranks' shards hold the same open groups: (2·open_global + 1) shards with open_global <= cap."""
+    shard, _ = _shard_numel(2)
+    for case in SPREAD:
+        for rank in (0, 1):
+            record = _load(fsdp_run, "fsdp", case, rank)
+            for k, (peak, shard_numel, numel) in enumerate(record["held"]):
+                assert all(n > 0 for n in record["units_per_rank"][k])  # every rank serves trajectories
+                open_groups, rest = divmod(peak - shard_numel, 2 * shard_numel)
+                assert rest == 0 and 0 <= open_groups <= 5
+                if "cap1" in case:  # one group open anywhere: (2·1 + 1)·numel/W, not (2·1·W + 1)·numel/W
+                    assert open_groups == 1 and peak == 3 * shard < 2 * numel
+                elif "thundersync" in case:
+                    assert open_groups >= 1
 
 
 def test_shard_statistics_refuses_parameters_fsdp2_does_not_shard():
