@@ -205,6 +205,28 @@ def test_each_rank_rolls_out_only_its_share_with_the_global_prompt_count(tokeniz
     assert float((combined - sums[0] / tokens[0]).norm() / (sums[0] / tokens[0]).norm()) <= 1e-10
 
 
+def test_spread_groups_give_each_rank_a_share_of_every_group_with_the_same_samples(tokenizer):
+    """GRPO under sharded statistics: every rank rolls out part of every group (round-robin), with the global m, and
+    each trajectory is the one the single rank samples (same seed per group and index)."""
+    whole = _sources(datamodule(tokenizer).stream_update(0))
+    shares = []
+    for r in (0, 1):
+        module = datamodule(tokenizer)
+        module.share_with(r, 2, spread_groups=True)
+        shares.append(list(module.stream_update(0)))
+    plans = [share[0] for share in shares]
+    assert all(p.num_prompts == 2 and len(p.group_sizes) == 2 for p in plans)  # every group on every rank
+    assert all(set(p.group_sizes.values()) == {3} for p in plans)  # the global m, for the advantage
+    mine = [_sources(share) for share in shares]
+    assert [len(m) for m in mine] == [3, 3] and not set(mine[0]) & set(mine[1])
+    assert set(mine[0]) | set(mine[1]) == set(whole)
+    for key, source in {**mine[0], **mine[1]}.items():
+        assert torch.equal(source.token_ids, whole[key].token_ids) and source.reward == whole[key].reward
+    for share, plan in zip(shares, plans, strict=True):
+        closed = [i.group_id for i in share if isinstance(i, GroupClosed)]
+        assert sorted(closed) == sorted(plan.group_sizes)  # each rank closes its part of every group
+
+
 def test_rank_outside_the_world_is_reported(tokenizer):
     with pytest.raises(ValueError, match="rank must be in"):
         datamodule(tokenizer, rank=2, world_size=2)

@@ -192,7 +192,7 @@ def fit(
         datamodule = rollout_datamodule(
             rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config
         )
-        datamodule.share_with(fabric.global_rank, fabric.world_size)
+        datamodule.share_with(fabric.global_rank, fabric.world_size, spread_groups=learner.shard_statistics)
         publisher.engine, recorder.datamodule = engine, datamodule
         module = StreamingPolicyModule(
             policy,

@@ -132,6 +132,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.cpus = None if cpus is None else list(cpus)
         self.rank = rank
         self.world_size = world_size
+        self.spread_groups = False
+        """GRPO: deal each group's trajectories over the ranks (:meth:`share_with`) instead of whole groups."""
         self.tokenizer = tokenizer
         self.ready_log: list[ReadyRecord] = []
         self.trajectories: dict[int, list[AgentTrajectory]] = {}
@@ -145,18 +147,23 @@ class RolloutDataModule(L.LightningDataModule):
         slots = range(update * self.prompts_per_update, (update + 1) * self.prompts_per_update)
         return [self._task_for_slot(slot) for slot in slots]
 
-    def share_with(self, rank: int, world_size: int) -> None:
+    def share_with(self, rank: int, world_size: int, spread_groups: bool = False) -> None:
         """Roll out only learner rank ``rank``'s share of each batch from now on (``fit`` calls this once Fabric has
-        launched the ranks)."""
+        launched the ranks); ``spread_groups`` (GRPO under ``learner.shard_statistics``): a share of every group's
+        trajectories (:meth:`~tslightning.distributed.rank_assignment.RankAssignment.spread_groups`), each sampled
+        with the seed it has on one rank."""
         if not 0 <= rank < world_size:
             raise ValueError(f"RolloutDataModule: rank must be in [0, world_size); got {rank=}, {world_size=}")
         self.rank, self.world_size = rank, world_size
+        self.spread_groups = spread_groups and self.objective is Objective.GRPO
 
     def rank_plan(self, plan: BatchPlan, tasks: dict[str, RolloutTask]) -> BatchPlan:
         """This rank's share of the whole-batch ``plan``, balanced by expected tokens: each trajectory's prompt
         (the task instruction) plus its token budget ``max_tokens_per_trajectory``; the plan keeps the global P."""
         if self.world_size == 1:
             return plan
+        if self.spread_groups:
+            return RankAssignment.spread_groups(plan, self.world_size).rank_plan(self.rank)
         budget = self.agent.limits.max_tokens_per_trajectory
         per_trajectory = {g: len(self.tokenizer.encode(task.instruction)) + budget for g, task in tasks.items()}
         costs = {(g, i): per_trajectory[g] * (self.samples_per_prompt if i is None else 1) for g, i in units_of(plan)}
