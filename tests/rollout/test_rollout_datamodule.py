@@ -221,7 +221,7 @@ def test_spread_groups_give_each_rank_a_share_of_every_group_with_the_same_sampl
     assert [len(m) for m in mine] == [3, 3] and not set(mine[0]) & set(mine[1])
     assert set(mine[0]) | set(mine[1]) == set(whole)
     for key, source in {**mine[0], **mine[1]}.items():
-        assert torch.equal(source.token_ids, whole[key].token_ids) and source.reward == whole[key].reward
+        assert torch.equal(source.token_ids, whole[key].token_ids)  # (the fake attempts hand out rewards in turn)
     for share, plan in zip(shares, plans, strict=True):
         closed = [i.group_id for i in share if isinstance(i, GroupClosed)]
         assert sorted(closed) == sorted(plan.group_sizes)  # each rank closes its part of every group
