@@ -19,3 +19,15 @@ def test_the_report_names_the_sharded_statistics_and_what_to_change():
     sharded = plan_report(plan_learner_memory(config, sharded_shape, activations=False), sharded_shape, 0.001, False)
     assert "statistics sharded over 2 ranks" in sharded.splitlines()[0]
     assert "statistics, 1/2 shard (all ranks' groups)" in sharded and "shard_statistics: true" not in sharded
+
+
+def test_the_report_counts_spread_groups_over_all_ranks():
+    config = tiny_qwen2_config(TinyModelConfig(), build_tokenizer())
+    shape = LearnerShape(
+        strategy="fsdp", world_size=2, open_groups=1, statistics_device="device", shard_statistics=True
+    )
+    spread_shape = LearnerShape(**{**shape.__dict__, "spread_groups": True})
+    spread_plan = plan_learner_memory(config, spread_shape, activations=False)
+    spread = plan_report(spread_plan, spread_shape, None, False)
+    assert "1 open group(s) over all ranks" in spread and "1/2 shard (groups open anywhere)" in spread
+    assert spread_plan.statistics < plan_learner_memory(config, shape, activations=False).statistics  # 3 vs 5 shards

@@ -136,6 +136,22 @@ def test_sharded_statistics_are_each_rank_shard_of_every_ranks_open_groups(tiny)
     assert plan_learner_memory(config, ddp, activations=False).statistics == whole.statistics  # ddp cannot shard
 
 
+def test_spread_groups_shard_only_the_groups_open_anywhere(tiny):
+    """Groups spread over the ranks (fit under shard_statistics): (2k + 1) shards, k the groups open anywhere."""
+    model, config = tiny
+    shape = LearnerShape(
+        strategy="fsdp", world_size=4, open_groups=2, statistics_device="device", shard_statistics=True
+    )
+    spread_shape = LearnerShape(**{**shape.__dict__, "spread_groups": True})
+    spread = plan_learner_memory(config, spread_shape, activations=False)
+    shard = ShardLayout(ParameterLayout(model.parameters()), 4, 0).numel
+    assert spread.statistics == (2 * 2 + 1) * shard * 4  # float32 statistics
+    assert plan_learner_memory(config, shape, activations=False).statistics == (2 * 2 * 4 + 1) * shard * 4
+    assert "1/4 shard (groups open anywhere)" in spread.table()
+    ddp = LearnerShape(strategy="ddp", world_size=4, open_groups=2, shard_statistics=True, spread_groups=True)
+    assert not plan_learner_memory(config, ddp, activations=False).groups_spread  # nothing sharded, nothing spread
+
+
 def test_a_fold_queue_keeps_its_pending_gradients_alive(tiny):
     _, config = tiny
     one = plan_learner_memory(config, LearnerShape(), activations=False)

@@ -31,18 +31,25 @@ def learner_shape(
     config: Any, objective: str, model: ModelSettings, rollout: RolloutSettings, learner, group_admission_cap
 ) -> LearnerShape:
     """The :class:`LearnerShape` a ``fit`` run with these settings trains in, per rank."""
-    groups_per_rank = math.ceil(rollout.prompts_per_update / learner.world_size)
     context = rollout.max_context_tokens or getattr(config, "max_position_embeddings", 4096)
     return LearnerShape(
         precision=model.precision,
         strategy="ddp" if learner.strategy == "auto" and learner.world_size > 1 else learner.strategy,
         world_size=learner.world_size,
         objective=objective,
-        open_groups=min(group_admission_cap or groups_per_rank, groups_per_rank),
+        open_groups=_open_groups(rollout.prompts_per_update, learner, group_admission_cap),
         sequence_tokens=context,
         statistics_device=learner.statistics_device,
         shard_statistics=learner.shard_statistics,
+        spread_groups=learner.shard_statistics,  # fit deals GRPO groups over the ranks then (RolloutDataModule)
         fold_queue_depth=learner.fold_queue_depth,
         lora_rank=model.lora.r if model.lora is not None else None,
         lora_targets=tuple(model.lora.target_modules) if model.lora is not None else (),
     )
+
+
+def _open_groups(prompts: int, learner, cap: int | None) -> int:
+    """GRPO groups holding statistics at once: per rank with whole groups; over all ranks when ``fit`` spreads them
+    (``learner.shard_statistics``), where the admission cap counts globally."""
+    groups = prompts if learner.shard_statistics else math.ceil(prompts / learner.world_size)
+    return min(cap or groups, groups)

@@ -14,8 +14,9 @@ on a laptop. Per learner rank:
 * **statistics** — the streaming accumulators (App. D.3): GRPO holds G1 and G2 for each open group plus the batch
   accumulator, (2k + 1) trainable-sized vectors for k open groups; OPD one. Where they live (host or device) is
   ``learner.statistics_device``. With ``learner.shard_statistics`` (``fsdp``, GRPO) a rank holds its shard — FSDP2's
-  dim-0 chunk of every trainable parameter, padded — of G1/G2 of the groups open on *all* ranks (k per rank) and of
-  the batch accumulator: (2k·world + 1) shards;
+  dim-0 chunk of every trainable parameter, padded — of G1/G2 of the groups open on *all* ranks and of the batch
+  accumulator: (2k·world + 1) shards with whole groups per rank (k per rank), (2k + 1) shards with groups spread
+  over the ranks by trajectory (``fit`` spreads them under ``shard_statistics``; k counts groups open anywhere);
 * **activations** — what autograd saves for the backward of one pass over the longest sequence, counted by tracing
   the forward with saved-tensor hooks (the implementation's real attention and MLP, not a formula), without and with
   activation checkpointing (then the decoder layers' inputs, plus one layer recomputed at a time).
@@ -52,10 +53,13 @@ class LearnerShape:
         strategy: The learner strategy (``ddp``, ``fsdp``, ``deepspeed_stage_2``, ``deepspeed_stage_3``, ``auto``).
         world_size: Learner ranks.
         objective: ``grpo`` or ``opd``.
-        open_groups: GRPO groups holding statistics at once on one rank (the admission cap k, else the rank's share).
+        open_groups: GRPO groups holding statistics at once on one rank (the admission cap k, else the rank's share);
+            with ``spread_groups``, on all ranks together (the cap, which then counts globally, else P).
         sequence_tokens: The longest sequence one pass runs (the context limit).
         statistics_device: ``host`` or ``device``.
         shard_statistics: Each rank keeps only its shard of the statistics (``fsdp`` and GRPO).
+        spread_groups: With ``shard_statistics``, each GRPO group's trajectories are dealt over the ranks, so the
+            ranks share their open groups (:mod:`tslightning.learner.spread_groups`).
         fold_queue_depth: Source gradients waiting for the background fold (``learner.fold_queue_depth``).
         lora_rank: LoRA's r, or ``None`` for full fine-tuning.
         lora_targets: Module names that get adapters.
@@ -69,6 +73,7 @@ class LearnerShape:
     sequence_tokens: int = 2048
     statistics_device: str = "host"
     shard_statistics: bool = False
+    spread_groups: bool = False
     fold_queue_depth: int = 0
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
@@ -90,6 +95,8 @@ class MemoryPlan:
     statistics_on_device: bool
     statistics_shards: int = 1
     """Ranks the statistics are sharded over (1: every rank holds them whole)."""
+    groups_spread: bool = False
+    """Sharded, with GRPO groups spread over the ranks: the shards hold the groups open anywhere, not k per rank."""
 
     def device_bytes(self, checkpointing: bool) -> int:
         """What the learner's device holds at its peak: everything but host-resident statistics."""
@@ -103,7 +110,8 @@ class MemoryPlan:
         statistics = (
             "statistics (G1/G2 x open groups + batch)"
             if self.statistics_shards == 1
-            else f"statistics, 1/{self.statistics_shards} shard (all ranks' groups)"
+            else f"statistics, 1/{self.statistics_shards} shard "
+            + ("(groups open anywhere)" if self.groups_spread else "(all ranks' groups)")
         )
         rows = [
             ("weights", self.weights, "device"),
@@ -159,8 +167,9 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     vectors = 2 * shape.open_groups + 1 if shape.objective == "grpo" else 1
     statistics = vectors * trainable
     shards = shape.world_size if shape.shard_statistics and shape.strategy == "fsdp" else 1
-    if shards > 1:  # every rank's open groups, a padded dim-0 chunk of each
-        statistics = (2 * shape.open_groups * shards + 1) * _shard_numel(model, shape, shards)
+    if shards > 1:  # every rank's open groups (shared ones once, when spread), a padded dim-0 chunk of each
+        open_anywhere = shape.open_groups * (1 if shape.spread_groups else shards)
+        statistics = (2 * open_anywhere + 1) * _shard_numel(model, shape, shards)
     sharded = shape.world_size if shape.strategy in _SHARDS_WEIGHTS else 1
     optimizer_shards = shape.world_size if shape.strategy in _SHARDS_OPTIMIZER else 1
     activations = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype) if activations else 0
@@ -176,6 +185,7 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
         layer_recompute=math.ceil(max(0, activations - checkpointed) / layers),
         statistics_on_device=shape.statistics_device == "device",
         statistics_shards=shards,
+        groups_spread=shards > 1 and shape.spread_groups,
     )
 
 
