@@ -27,11 +27,19 @@ from tslightning.distributed.collectives import control_all_gather
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.statistics_shards import StatisticsShards
 
+Serve = Callable[[list[TrajectorySource], Callable[[], None]], None]
+"""Queues learner work for its sources (the module's lock-step ``_serve``)."""
+
 
 def spread_groups(
-    plan: BatchPlan, shards: StatisticsShards | None, cap: int | None, serve: Callable[[TrajectorySource], None]
+    plan: BatchPlan,
+    shards: StatisticsShards | None,
+    cap: int | None,
+    serve: Serve,
+    fold: Callable[[TrajectorySource], None],
 ) -> SpreadGroups | None:
-    """The batch's :class:`SpreadGroups` when ``plan`` splits GRPO groups over ranks (``None`` otherwise).
+    """The batch's :class:`SpreadGroups` when ``plan`` splits GRPO groups over ranks (``None`` otherwise); an
+    admitted source is ``serve``'d with its ``fold`` (one pass: its gradient, staged for the exchange).
 
     Raises:
         SourceError: for a split GRPO group without sharded statistics, or a global cap that some rank could not
@@ -53,7 +61,7 @@ def spread_groups(
             f"group_admission_cap counts spread groups globally, so every rank must hold a part of every group; this "
             f"rank holds {len(plan.group_sizes)} of {plan.num_prompts} (use samples_per_prompt >= learner ranks)"
         )
-    spread = SpreadGroups(plan, cap, serve)
+    spread = SpreadGroups(plan, cap, serve, fold)
     shards.on_close = spread.closed
     return spread
 
@@ -64,13 +72,16 @@ class SpreadGroups:
     Args:
         plan: This rank's plan (its trajectories of each group; group order is the global plan order).
         cap: Admission cap k, counted over all ranks (``None``: no cap).
-        serve: Queues one admitted trajectory's learner work (the module's lock-step fold).
+        serve, fold: An admitted source's work is ``serve([source], lambda: fold(source))``.
     """
 
-    def __init__(self, plan: BatchPlan, cap: int | None, serve: Callable[[TrajectorySource], None]) -> None:
+    def __init__(
+        self, plan: BatchPlan, cap: int | None, serve: Serve, fold: Callable[[TrajectorySource], None]
+    ) -> None:
         self.plan = plan
         self.cap = cap
         self._serve = serve
+        self._fold = fold
         self._open_order = list(plan.group_sizes)  # groups not yet closed, in plan order
         self._waiting: dict[str, list[TrajectorySource]] = {}
 
@@ -83,7 +94,7 @@ class SpreadGroups:
         if isinstance(item, GroupClosed):
             return
         if self.admitted(item.group_id):
-            self._serve(item)
+            self._start(item)
         else:
             self._waiting.setdefault(item.group_id, []).append(item)
 
@@ -93,7 +104,10 @@ class SpreadGroups:
             self._open_order.remove(group_id)
         for g in [g for g in self._waiting if self.admitted(g)]:
             for source in self._waiting.pop(g):
-                self._serve(source)
+                self._start(source)
+
+    def _start(self, source: TrajectorySource) -> None:
+        self._serve([source], lambda: self._fold(source))
 
     @property
     def num_waiting(self) -> int:

@@ -198,8 +198,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 + (" (zero-staleness schedule)" if self.max_policy_lag == 0 else "")
             )
         check_plan(plan, self.objective, self.advantage)
-        serve = lambda source: self._serve([source], lambda: self._fold_trajectory(source))  # noqa: E731
-        self.spread = spread_groups(plan, self.shards, self.admission.cap, serve)  # refuses a split without shards
+        self.spread = spread_groups(plan, self.shards, self.admission.cap, self._serve, self._fold_trajectory)
         if self.shards is not None:
             self.shards.begin_batch()  # checks the parameters are FSDP2 shards first
         self.lockstep = self._lockstep_ticks()
