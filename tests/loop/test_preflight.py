@@ -14,7 +14,7 @@ import tslightning.loop.startup as startup
 from tslightning import cli
 from tslightning.callbacks import GradientClipping, StalenessMonitor
 from tslightning.loop.fit import RolloutSettings, fit
-from tslightning.loop.preflight import callback_problems
+from tslightning.loop.preflight import callback_problems, spread_group_problems
 from tslightning.loop.settings import InvalidSettingsError, MissingPathError
 
 ROOT = Path(__file__).parents[2]
@@ -250,3 +250,18 @@ def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_bef
     with pytest.raises(SystemExit):
         cli.main([*argv, "--learner.strategy", "deepspeed_stage_2", "--learner.shard_statistics", "true"])
     assert "learner.strategy 'deepspeed_stage_2' does not shard them" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_global_cap_over_spread_groups_needs_a_sample_per_rank():
+    from tslightning.distributed.learner_strategy import LearnerSettings
+
+    spread = LearnerSettings(devices=4, strategy="fsdp", shard_statistics=True)
+    (problem,) = spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), spread, 1)
+    assert (
+        problem.startswith("group_admission_cap counts GRPO groups over all ranks")
+        and "(2) must be >= the 4" in problem
+    )
+    assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=4), spread, 1) == []
+    assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), spread, None) == []  # no cap to count
+    whole = LearnerSettings(devices=4, strategy="fsdp")
+    assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), whole, 1) == []  # whole groups

