@@ -230,6 +230,11 @@ class RolloutSettings:
             problems.append(
                 f"rollout.server_urls applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
             )
+        if self.ray.teacher and self.launcher != "ray":
+            problems.append(
+                "rollout.ray.teacher launches the OPD teacher with rollout.launcher ray: set rollout.launcher ray, or "
+                "remove rollout.ray.teacher (and give rollout.teacher_url, or leave the teacher in-process)"
+            )
         if self.teacher_url is not None:
             malformed = url_problems([self.teacher_url])
             problems += [problem.replace("rollout.server_urls", "rollout.teacher_url") for problem in malformed]
@@ -342,6 +347,18 @@ def setting_problems(
         problems.append(
             "rollout.teacher_url and model.teacher_path/teacher_cpus both name the OPD teacher: keep the server "
             "(remove model.teacher_path and model.teacher_cpus) or the in-process one (remove rollout.teacher_url)"
+        )
+    if rollout.ray.teacher and objective != "opd":
+        problems.append(f"rollout.ray.teacher launches the OPD teacher; objective {objective!r} has none (remove it)")
+    if rollout.ray.teacher and rollout.teacher_url is not None:
+        problems.append(
+            "rollout.ray.teacher and rollout.teacher_url both name the OPD teacher's server: launch it (remove "
+            "rollout.teacher_url) or use the running one (remove rollout.ray.teacher)"
+        )
+    if rollout.ray.teacher and model.teacher_cpus is not None:
+        problems.append(
+            "model.teacher_cpus places the in-process OPD teacher; rollout.ray.teacher launches it on Ray: remove "
+            "model.teacher_cpus (rollout.ray.teacher_num_cpus sizes the launched one)"
         )
     return problems
 
