@@ -231,7 +231,7 @@ def test_resends_are_bounded_and_a_user_server_is_never_resent(fake_http):
     from tslightning.rollout.teacher_server import RESENDS
 
     launcher = _Launcher(["http://dead:1"] * (RESENDS + 5))
-    with pytest.raises(RuntimeError, match="http://dead:1 stopped answering"):
+    with pytest.raises(RuntimeError, match="rollout.ray.teacher http://dead:1 stopped answering"):
         TeacherServer("http://dead:1", (1,), 9, launcher=launcher).score(*TURN)
     assert len(launcher.lost_calls) == RESENDS and len(_Session.posted) == RESENDS + 1
     _Session.posted = []

@@ -64,6 +64,7 @@ class TeacherServer:
         launcher: Any = None,
     ) -> None:
         self.url, self._launcher = url.rstrip("/"), launcher
+        self._key = KEY if launcher is None else "rollout.ray.teacher"  # what error messages name
         problems = teacher_problems(self.url, probe_ids, vocab_size, min(timeout_s, 60.0), context_tokens)
         if problems:
             raise ValueError("; ".join(problems))
@@ -120,12 +121,13 @@ class TeacherServer:
                 )
             except requests.RequestException as error:
                 if self._launcher is None or resend >= RESENDS:
-                    raise RuntimeError(f"{KEY} {url} stopped answering ({type(error).__name__}: {error})") from None
+                    failure = f"{type(error).__name__}: {error}"
+                    raise RuntimeError(f"{self._key} {url} stopped answering ({failure})") from None
                 self._launcher.lost(0, generation)  # a restart since this request was sent is not repeated
                 continue
             if response.status_code != 200:
                 refusal = f"({response.status_code}): {response.text[:300]}"
-                raise RuntimeError(f"{KEY} {url} refused to score a turn {refusal}")
+                raise RuntimeError(f"{self._key} {url} refused to score a turn {refusal}")
             return scored_prompt_logprobs(response.json()["prompt_logprobs"], ids, positions)
         raise AssertionError("unreachable")
 
