@@ -111,10 +111,10 @@ class EnvironmentPrefetch:
         with self._lock:
             futures = [future for queue in self._waiting.values() for future in queue]
             self._waiting, self._update = {}, None
-        for future in futures:
-            self.discarded += 1
-            if not future.cancel():
-                close_prepared(future)
+        self.discarded += len(futures)
+        opening = [future for future in futures if not future.cancel()]  # cancel all first: none starts meanwhile
+        for future in opening:
+            close_prepared(future)
 
     def close(self) -> None:
         """Discard everything and stop the set-up threads (the run's end); later calls to :meth:`prepare` do
