@@ -4,9 +4,12 @@ rollout's items unchanged (same tasks, seeds, rewards) with prefetch on or off."
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from fakes import RecordingAttempt, ScriptedEngine
@@ -14,6 +17,10 @@ from fakes import RecordingAttempt, ScriptedEngine
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, close_prepared
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
+from tslightning.tasks.image_lite import builder_problem
+from tslightning.tasks.task_attempt import TerminalTaskAttempt
+from tslightning.tasks.terminal_task import TerminalTask
+from tslightning.tasks.validation import library_dir
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,7 @@ class Task:
     instruction: str
 
 
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_tasks" / "corpus-workdir"
 TASKS = [Task(f"task-{i}", f"Create file number {i} in /app") for i in range(5)]
 REPLIES = {0: ["<bash>ls</bash>", "<finish/>"], 1: ["<finish/>"], 2: ["<bash>cat x</bash>", "<finish/>"]}
 REWARDS = {task.task_id: reward for task, reward in zip(TASKS, [1.0, 0.0, 0.5, 1.0, 0.25], strict=True)}
@@ -202,3 +210,64 @@ def test_a_failed_rollout_and_the_runs_end_leave_no_environment_open(tokenizer):
 def test_a_negative_prefetch_is_reported(tokenizer):
     with pytest.raises(ValueError, match="prefetch_environments must be >= 0"):
         _datamodule(tokenizer, Environments(), prefetch=-1)
+
+
+# ------------------------------------------------------------------ real attempt environments (bubblewrap)
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _view(attempt: TerminalTaskAttempt) -> str:
+    """What an attempt's first command sees: its files and the environment's processes (but the probe's own)."""
+    files = "cd /app && find . | sort && md5sum $(find . -type f | sort)"
+    return attempt.run_command(f"{files}; ps -eo comm= | grep -vx -e ps -e sort -e bash -e grep | sort").output
+
+
+def test_a_prepared_environment_is_a_fresh_one_and_closing_leaves_no_process_or_directory():
+    task = TerminalTask.load(library_dir() / "count-lines")
+    prefetch = EnvironmentPrefetch(lambda t: TerminalTaskAttempt(t), capacity=2)
+    try:
+        with TerminalTaskAttempt(task) as fresh:  # an attempt of update k, opened the usual way
+            fresh.run_command("echo changed >> log.txt; sleep 300 &")
+            prefetch.prepare(1, [task, task])
+            taken = prefetch.take(1, task).result(timeout=60)
+            assert taken.attempt.sandbox.live  # set up (its environment started) before the attempt began
+            with taken.exit_stack:
+                with TerminalTaskAttempt(task) as other_fresh:
+                    assert _view(taken.attempt) == _view(other_fresh)  # nothing of update k's attempt in it
+            unused = prefetch._waiting[task.task_id][0].result(timeout=60).attempt
+            root, keeper = unused.attempt.root, unused.sandbox._keeper.pid
+            assert root.is_dir() and _alive(keeper)
+    finally:
+        prefetch.close()
+    assert not root.exists() and not _alive(keeper)  # the environment no attempt took: removed, its bwrap ended
+
+
+def test_a_prepared_image_environment_has_its_own_copy_of_the_image_and_scores_as_a_fresh_one(monkeypatch):
+    problem = builder_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    monkeypatch.setenv("TSLIGHTNING_CACHE_DIR", str(Path(tempfile.gettempdir()) / "tslightning-test-cache"))
+    task = TerminalTask.load(CORPUS)
+    prefetch = EnvironmentPrefetch(lambda t: TerminalTaskAttempt(t), capacity=1)
+    try:
+        with TerminalTaskAttempt(task) as earlier:  # update k's attempt spoils its copy of the working directory
+            earlier.run_command("rm -r shards/shard00 && echo 6858 > answer.txt")
+            prefetch.prepare(1, [task])
+            prepared = prefetch.take(1, task).result(timeout=300)
+        with prepared.exit_stack:
+            attempt = prepared.attempt
+            assert attempt.sandbox.live and attempt.sandbox.starts == 1
+            seen = attempt.run_command("pwd; test -e answer.txt && echo answered; find shards -type f | wc -l")
+            assert seen.output.split() == ["/srv/corpus", "12000"]  # the image's working directory, untouched
+            assert attempt.verify() == 0.0  # no answer of update k's attempt in it
+            attempt.run_solution()
+            assert attempt.verify() == 1.5
+            image_rw = attempt.attempt.root / "image-rw"
+        assert not image_rw.exists()
+    finally:
+        prefetch.close()
