@@ -368,6 +368,11 @@ class RolloutDataModule(L.LightningDataModule):
         """Seconds update ``update``'s attempts waited for their environments (set-up on their critical path)."""
         return sum(r.wait_s for r in self.environment_log if r.update == update)
 
+    def prefetched_environments(self, update: int) -> int:
+        """Attempts of update ``update`` that took a prefetched environment (see :attr:`environment_log` for which
+        were already set up when the attempt began)."""
+        return sum(r.prefetched for r in self.environment_log if r.update == update)
+
     def teardown(self, stage: str) -> None:
         """Close every prefetched environment no attempt took, and the prefetch threads (the run's end)."""
         if self.prefetch is not None:
