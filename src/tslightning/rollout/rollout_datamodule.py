@@ -365,7 +365,9 @@ class RolloutDataModule(L.LightningDataModule):
         return prepared
 
     def environment_seconds(self, update: int) -> float:
-        """Seconds update ``update``'s attempts waited for their environments (set-up on their critical path)."""
+        """Seconds update ``update``'s attempts waited for their environments, summed over the attempts (a fresh
+        set-up blocks the agent loop, so its waits add up; attempts waiting at once for prefetched environments
+        still being opened overlap, so the sum can then exceed the wall time)."""
         return sum(r.wait_s for r in self.environment_log if r.update == update)
 
     def prefetched_environments(self, update: int) -> int:
