@@ -96,6 +96,30 @@ def test_lora_policy_publishes_merged_weights_and_keeps_its_adapters(make_policy
     assert all(torch.equal(p, adapters[n]) for n, p in policy.named_parameters())
 
 
+def test_an_engine_serving_adapters_is_published_the_adapter_alone(make_policy):
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(make_policy(), config)
+    engine = FakeEngine()
+    engine.publishes_adapter = True
+    module = SimpleNamespace(policy=policy, policy_version=1, update_timings={})
+    WeightPublisher(engine).on_train_batch_end(L.Fabric(accelerator="cpu", devices=1), module, None, BatchClosed(0), 0)
+
+    ((version, published),) = engine.published
+    adapters = {n.replace(".default", ""): p for n, p in policy.named_parameters() if "lora_" in n}
+    assert version == 1 and set(published) == set(adapters)  # peft's saved names: no base weight, nothing merged
+    assert all(torch.equal(published[n], adapters[n]) for n in published)
+
+
+def test_an_engine_serving_adapters_refuses_a_policy_without_one():
+    engine = FakeEngine()
+    engine.publishes_adapter = True
+    with pytest.raises(ValueError, match="set model.lora"):
+        WeightPublisher(engine).on_train_batch_end(
+            L.Fabric(accelerator="cpu", devices=1), stub_module(), None, BatchClosed(0), 0
+        )
+    assert engine.published == []
+
+
 def rescore(model: torch.nn.Module, prompt: tuple[int, ...], token_ids: tuple[int, ...]) -> torch.Tensor:
     """log π(sampled id) from one full forward over prompt + sampled ids, as the learner computes it."""
     ids = torch.tensor([list(prompt) + list(token_ids)])

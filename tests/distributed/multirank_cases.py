@@ -6,7 +6,10 @@ line for rank 1). Every rank replays the same synthetic logical batches, streams
 and its parameters to ``OUT/<case>/rank<r>.pt``. :func:`run_case` with ``fabric=None`` is the single-process reference
 the test computes in its own process.
 
-Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...); ``fail-ingest`` (rank 1 raises in the
+Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), optionally followed by ``-sharded``
+(``shard_statistics``), ``-odd`` (an MLP width of 255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``)
+and an advantage estimator
+(``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
 ``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2).
@@ -54,8 +57,9 @@ def make_batches(objective: str, dtype: torch.dtype) -> list:
     return [synthetic_opd_batch(vocab, k, generator, teacher, SHAPE) for k in range(UPDATES)]
 
 
-def make_policy(dtype: torch.dtype) -> torch.nn.Module:
-    return _in_dtype(build_tiny_model(TinyModelConfig(seed=0), build_tokenizer()), dtype)
+def make_policy(dtype: torch.dtype, intermediate_size: int = 256) -> torch.nn.Module:
+    config = TinyModelConfig(seed=0, intermediate_size=intermediate_size)
+    return _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -67,14 +71,23 @@ def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict:
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
-    objective, schedule = case.split("-")
+    objective, schedule, *options = case.split("-")
+    sharded = "sharded" in options
+    advantage = next((option for option in options if option not in ("sharded", "odd", "cap1")), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
-        make_policy(dtype), objective, schedule, optimizer=OptimizerSettings(lr=1e-3), accumulator_dtype=dtype
+        make_policy(dtype, 255 if "odd" in options else 256),
+        objective,
+        schedule,
+        advantage,
+        optimizer=OptimizerSettings(lr=1e-3),
+        accumulator_dtype=dtype,
+        shard_statistics=sharded,
+        group_admission_cap=1 if "cap1" in options else None,
     )
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
-    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": []}
+    record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": [], "held": []}
     for k, batch in enumerate(make_batches(objective, dtype)):
         assignment, shares = split_replay_batch(batch, world_size)
         share = shares[rank]
@@ -86,19 +99,33 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         module.barrier(optimizer)
         if lockstep is not None:
             record["lockstep"].append((lockstep.ticks, lockstep.idle_passes, module.last_update.num_sources))
-        record["directions"].append(module.last_direction.double())
+        direction = module.last_direction if module.shards is None else module.shards.gather(module.last_direction)
+        record["directions"].append(direction.double())
+        shard_numel = module.layout.numel if module.shards is None else module.shards.layout.numel
+        record["held"].append((module.last_update.peak_held_numel, shard_numel, module.layout.numel))
         record["thetas"].append(full_values(module))
         record["units_per_rank"].append(assignment.units_per_rank())
     return record
 
 
 def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
-    """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``)."""
-    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync")
+    """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``; under
+    ``fail-pass-sharded``, with sharded statistics, its pass raises after staging its gradient)."""
+    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", shard_statistics="sharded" in case)
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module)
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
+    if case == "fail-pass-sharded" and fabric.global_rank == 1:
+        stage, staged = module.shards.stage, []
+
+        def stage_then_fail(contribution, grads) -> None:
+            stage(contribution, grads)
+            staged.append(contribution)
+            if len(staged) == 2:
+                raise RuntimeError("injected failure in a pass")
+
+        module.shards.stage = stage_then_fail
     start = time.perf_counter()
     try:
         with reported_to_ranks(0):
@@ -208,7 +235,7 @@ def main(out: str, strategy: str, *cases: str) -> None:
         target = Path(out) / strategy / case
         target.mkdir(parents=True, exist_ok=True)
         try:
-            if case.endswith("-ingest"):
+            if case.endswith("-ingest") or case.startswith("fail-"):
                 record = failing_case(case, fabric, DTYPES[strategy])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multirank_cases import DTYPES, TIMEOUT_S, run_case
+from recorded_replay import sync_replay_of_every_rank
 
 CASES = ["grpo-sync", "grpo-thundersync", "opd-sync", "opd-thundersync"]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -219,7 +220,7 @@ def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
 
-    replayed, initial = _sync_replay_of_every_rank(out, updates=2)
+    replayed, initial = sync_replay_of_every_rank(out, updates=2)
     names = sorted(thetas[0])
     fitted = torch.cat([thetas[0][n].flatten().double() for n in names])
     replay = torch.cat([replayed[n].flatten().double() for n in names])
@@ -227,34 +228,3 @@ def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     moved = float((fitted - start).norm())
     assert moved > 0
     assert float((replay - fitted).norm()) / moved <= PARAMETER_TOLERANCE[torch.float32]
-
-
-def _sync_replay_of_every_rank(out: Path, updates: int) -> tuple[dict, dict]:
-    """θ after ``updates`` sync updates in one process on the union of every rank's recorded batches, and θ_0."""
-    import yaml
-
-    from tslightning.core.batch_registry import BatchPlan
-    from tslightning.core.sources import BatchClosed
-    from tslightning.learner.settings import OptimizerSettings
-    from tslightning.learner.streaming_module import StreamingPolicyModule
-    from tslightning.loop.batch_recording import load_batches
-    from tslightning.models.tiny_model import load_tiny_model
-
-    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "quickstart.yaml").read_text())
-    policy, _ = load_tiny_model(out / "policy-0")
-    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
-    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
-    module = StreamingPolicyModule(policy, "grpo", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
-    optimizer = module.configure_optimizers()
-    for update in range(updates):
-        ranks = load_batches(out / "batches", update)
-        plans = [items[0] for items in ranks.values()]
-        groups = {g: m for plan in plans for g, m in plan.group_sizes.items()}
-        module.ingest(BatchPlan(plans[0].objective, plans[0].policy_version, groups))
-        for items in ranks.values():
-            for item in items[1:]:
-                if not isinstance(item, BatchClosed):
-                    module.ingest(item)
-        module.ingest(BatchClosed(plans[0].policy_version))
-        module.barrier(optimizer)
-    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial

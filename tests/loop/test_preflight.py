@@ -71,8 +71,24 @@ BAD_INPUTS = {
     ),
     "prompts-negative": (["--rollout.prompts_per_update", "-1"], "rollout.prompts_per_update must be >= 1; got -1"),
     "task-unknown": (["--rollout.task_names", "[no-such-task]"], "rollout.task_names ['no-such-task'] are not tasks"),
+    "teacher-url-on-grpo": (
+        ["--rollout.teacher_url", "http://127.0.0.1:9"],
+        "rollout.teacher_url serves the OPD teacher; objective 'grpo' has none",
+    ),
+    "teacher-url-malformed": (
+        ["--rollout.teacher_url", "localhost"],
+        "rollout.teacher_url: 'localhost' is not an http://host:port URL",
+    ),
+    "adapter-dir-on-hf": (
+        ["--rollout.server_adapter_dir", "/shared/adapters"],
+        "rollout.server_adapter_dir applies to rollout.engine vllm_server, not 'hf'",
+    ),
     "resume-missing": (["--resume", "{out}/checkpoints/update-7"], "holds no state.pt"),
     "resume-no-checkpoint": (["--resume", "{out}/csv"], "holds no state.pt"),
+    "float64-fsdp": (
+        ["--model.precision", "64-true", "--learner.strategy", "fsdp", "--learner.devices", "2"],
+        "model.precision 64-true needs learner.strategy ddp or auto: fsdp (Fabric's ModelParallelStrategy) has no",
+    ),
 }
 
 
@@ -212,3 +228,25 @@ def test_device_statistics_that_cannot_fit_the_gpu_name_the_settings_to_change()
     assert problem.startswith("learner.statistics_device: device holds 4 open group(s)' G1/G2") and "host" in problem
     assert statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=2**30) == []
     assert statistics_problems("grpo", ModelSettings(), rollout, LearnerSettings(), 4, device_bytes=1) == []  # host
+
+
+def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_before_anything_is_written(
+    tmp_path, capsys
+):
+    from tslightning.distributed.learner_strategy import LearnerSettings
+
+    ddp = LearnerSettings(devices=2, strategy="ddp", shard_statistics=True)
+    assert ddp.sharding_problems("grpo") == [
+        "learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy 'ddp' does not shard "
+        "them that way: set learner.strategy: fsdp or learner.shard_statistics: false"
+    ]
+    fsdp = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True)
+    assert fsdp.sharding_problems("grpo") == [] and "objective 'opd'" in fsdp.sharding_problems("opd")[0]
+    queued = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True, fold_queue_depth=2)
+    assert "set learner.fold_queue_depth: 0 with it" in queued.sharding_problems("grpo")[0]
+    assert "learner.fold_queue_depth must be an int >= 0" in LearnerSettings(fold_queue_depth=-1).problems("sync")[0]
+    out = tmp_path / "run"
+    argv = ["fit", "--config", "configs/quickstart.yaml", "--learner.devices", "2", "--out_dir", str(out)]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--learner.strategy", "deepspeed_stage_2", "--learner.shard_statistics", "true"])
+    assert "learner.strategy 'deepspeed_stage_2' does not shard them" in capsys.readouterr().err and not out.exists()

@@ -104,3 +104,44 @@ def test_learner_cores_gives_the_caller_its_cores_and_threads_back():
     assert (os.sched_getaffinity(0), torch.get_num_threads()) == before
     with pytest.raises(ValueError, match="learner.cpus is empty"), learner_cores([]):
         pass
+
+
+def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_them_if_it_fails(tmp_path, monkeypatch):
+    import tslightning.rollout.replica_launcher as replica_launcher
+    import tslightning.rollout.vllm_server_engine as server_engine
+
+    launched = []
+
+    class Replicas:
+        def __init__(self, settings, model, log_dir, **options):
+            self.urls, self.options, self.closed = ["http://127.0.0.1:1", "http://127.0.0.1:2"], options, False
+            self.model, self.log_dir = model, log_dir
+            launched.append(self)
+
+        def close(self):
+            self.closed = True
+
+    class Engine:
+        def __init__(self, urls, policy_dir, **options):
+            if options["context_tokens"] == 13:
+                raise ValueError("rollout.server_urls: a server serves another model")
+            self.urls, self.options = urls, options
+
+    monkeypatch.setattr(replica_launcher, "RayReplicas", Replicas)
+    monkeypatch.setattr(server_engine, "VLLMServerEngine", Engine)
+    rollout = RolloutSettings(engine="vllm_server", launcher="ray")
+    rollout.ray.server_args = ["--seed", "0"]
+    engine = startup.start_engine(rollout, tmp_path / "policy-0", "float32", max_model_len=512)
+    (replicas,) = launched
+    assert engine.urls == replicas.urls and engine.options["replicas"] is replicas
+    assert replicas.model == tmp_path / "policy-0" and replicas.log_dir == tmp_path / "replicas"
+    assert replicas.options == {
+        "transport": "gloo",
+        "dtype": "float32",
+        "max_model_len": 512,
+        "extra": ["--tensor-parallel-size", "1", "--enforce-eager"],  # the launcher appends rollout.ray.server_args
+        "lora_rank": None,  # not a LoRA run: no adapters at runtime
+    }
+    with pytest.raises(ValueError, match="serves another model"):
+        startup.start_engine(rollout, tmp_path / "policy-0", "float32", max_model_len=13)
+    assert launched[1].closed  # no replica outlives an engine that did not start

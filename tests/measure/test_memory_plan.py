@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from tslightning.core.parameter_layout import ParameterLayout
 from tslightning.core.replay_batches import WorkloadShape, synthetic_grpo_batch
+from tslightning.core.shard_layout import ShardLayout
 from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.loop.startup import checkpoint_activations
 from tslightning.measure.memory_plan import LearnerShape, plan_learner_memory
@@ -110,3 +112,32 @@ def test_the_plan_says_which_setting_to_change(tiny):
     advice = plan.advice(plan.device_bytes(True), shape)
     assert advice[0] == "learner.activation_checkpointing: true" and "learner.statistics_device: host" in advice
     assert "learner.activation_checkpointing: true" not in plan.advice(plan.device_bytes(True) - 1, shape, True)
+
+
+def test_sharded_statistics_are_each_rank_shard_of_every_ranks_open_groups(tiny):
+    """Per rank: (2·k·world + 1) shards, each the ShardLayout the learner's accumulator counts (FSDP2's padded
+    dim-0 chunks), where whole statistics are (2k + 1) full vectors."""
+    model, config = tiny
+    whole_shape = LearnerShape(strategy="fsdp", world_size=4, open_groups=2, statistics_device="device")
+    whole = plan_learner_memory(config, whole_shape, activations=False)
+    shape = LearnerShape(
+        strategy="fsdp", world_size=4, open_groups=2, statistics_device="device", shard_statistics=True
+    )
+    sharded = plan_learner_memory(config, shape, activations=False)
+    shard = ShardLayout(ParameterLayout(model.parameters()), 4, 0).numel
+    assert sharded.statistics == (2 * 2 * 4 + 1) * shard * 4  # float32 statistics
+    assert whole.statistics == (2 * 2 + 1) * ParameterLayout(model.parameters()).numel * 4
+    assert "1/4 shard" in sharded.table() and "1/4 shard" not in whole.table()
+    assert "learner.shard_statistics: true (each rank keeps its shard of G1/G2 and the batch)" in whole.advice(
+        1, whole_shape
+    )
+    assert not any("shard_statistics" in change for change in sharded.advice(1, shape))
+    ddp = LearnerShape(strategy="ddp", world_size=4, open_groups=2, shard_statistics=True)
+    assert plan_learner_memory(config, ddp, activations=False).statistics == whole.statistics  # ddp cannot shard
+
+
+def test_a_fold_queue_keeps_its_pending_gradients_alive(tiny):
+    _, config = tiny
+    one = plan_learner_memory(config, LearnerShape(), activations=False)
+    queued = plan_learner_memory(config, LearnerShape(fold_queue_depth=2), activations=False)
+    assert queued.gradients == 3 * one.gradients and queued.statistics == one.statistics

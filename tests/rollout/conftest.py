@@ -33,15 +33,29 @@ class RunningServer:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory):
     """A running server on the tiny Qwen2 (float32, 4096 tokens of context, the gloo weight-transfer backend)."""
+    yield from _serve(tmp_path_factory.mktemp("vllm-server"))
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_server(tmp_path_factory):
+    """Like :func:`vllm_server`, with LoRA at runtime (``--enable-lora --max-lora-rank 8``, runtime updating)."""
+    yield from _serve(tmp_path_factory.mktemp("vllm-lora-server"), lora_rank=8)
+
+
+@pytest.fixture(scope="session")
+def vllm_teacher_server(tmp_path_factory):
+    """A server on the tiny Qwen2 that nothing publishes to: an OPD teacher (its weights stay the checkpoint's)."""
+    yield from _serve(tmp_path_factory.mktemp("vllm-teacher-server"))
+
+
+def _serve(root: Path, lora_rank: int | None = None):
     pytest.importorskip("vllm")
-    root = tmp_path_factory.mktemp("vllm-server")
     model_dir = save_tiny_model(root / "tiny")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command, environment = server_command(
-        str(model_dir), port, python=sys.executable, extra=["--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
-    )
+    extra = ["--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
+    command, environment = server_command(str(model_dir), port, python=sys.executable, extra=extra, lora_rank=lora_rank)
     log = root / "server.log"
     with log.open("w") as output:
         process = subprocess.Popen(

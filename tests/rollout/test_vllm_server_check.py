@@ -12,7 +12,13 @@ import pytest
 from tslightning import cli
 from tslightning.loop.settings import InvalidSettingsError
 from tslightning.models.tiny_model import TinyModelConfig, save_tiny_model
-from tslightning.rollout.vllm_server_check import Expected, reachability_problems, server_problems, url_problems
+from tslightning.rollout.vllm_server_check import (
+    Expected,
+    reachability_problems,
+    server_command,
+    server_problems,
+    url_problems,
+)
 from tslightning.rollout.vllm_server_engine import VLLMServerEngine
 
 ROOT = Path(__file__).parents[2]
@@ -63,3 +69,11 @@ def test_servers_lacking_what_the_protocol_needs_are_named(vllm_server):
     assert "serves 4096 tokens of context, a trajectory needs 1000000: start it with --max-model-len" in text
     assert "serves float32, the learner's serving dtype is bfloat16: start it with --dtype bfloat16" in text
     assert "serves another model" in text  # the probe ids (1,) are not what the server's tokenizer makes
+
+
+def test_a_lora_server_command_serves_runtime_adapters_up_to_the_next_rank_vllm_accepts():
+    command, environment = server_command("tiny", 8000, lora_rank=12)
+    assert command[command.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in command
+    assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    plain, plain_environment = server_command("tiny", 8000)
+    assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_environment

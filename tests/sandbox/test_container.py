@@ -20,6 +20,7 @@ from tslightning.sandbox import container as container_module
 from tslightning.tasks.container_image import container_image, context_digest
 from tslightning.tasks.task_attempt import TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.terminal_task import TerminalTask
+from tslightning.tasks.validation import unmet_needs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_tasks"
 
@@ -37,7 +38,12 @@ FAKE = textwrap.dedent(
     root = os.path.join(state, "container")
     def inside(path):
         return os.path.join(root, path.split(":", 1)[1].lstrip("/")) if ":" in path else path
-    if args[0] == "run":
+    if args[0] == "compose" and args[-1] == "version":
+        sys.exit(1 if os.environ.get("FAKE_NO_COMPOSE") else 0)
+    elif args[0] == "compose" and "up" in args:
+        override = args[[i for i, a in enumerate(args) if a == "--file"][-1] + 1]
+        shutil.copy(override, os.path.join(state, "override.json"))
+    elif args[0] == "run":
         print("0123456789ab")
     elif args[:2] == ["image", "inspect"]:
         sys.exit(0 if os.path.exists(os.path.join(state, "built", args[2].replace("/", "_"))) else 1)
@@ -181,3 +187,33 @@ def test_an_attempt_runs_in_the_tasks_container(engine):
     assert ["podman", "exec", "--detach", "--workdir", "/srv/work", name, "/bin/sh", "-c",
             "python3 /opt/kv/kv_server.py"] in calls  # fmt: skip
     assert calls[-1] == ["podman", "rm", "-f", name]
+
+
+def test_helper_containers_run_with_compose_where_the_engine_has_it(engine):
+    task = TerminalTask.load(FIXTURES / "helper-db")
+    assert unmet_needs(task, "docker") is None  # `docker compose version` answers
+    with TerminalTaskAttempt(task, make_attempt_sandbox=sandbox_factory("docker"), toolchain=None) as attempt:
+        assert attempt.run_command("echo in main").output == "in main\n"
+        name, override = attempt.sandbox.name, attempt.attempt.root / ".tsl-compose-override.json"
+        files = ["--file", str(task.compose_file), "--file", str(override)]
+    calls = engine()
+    assert ["docker", "compose", "--project-name", name, *files, "up", "--detach"] in calls
+    assert not any(call[1] == "run" for call in calls)  # no lone container: the project's main service
+    assert ["docker", "exec", "--workdir", "/app"] == next(call for call in calls if call[1] == "exec")[:4]
+    main = json.loads((engine.state / "override.json").read_text())
+    assert main["networks"] == {"default": {"internal": True}}  # helpers reach one another, not the outside
+    service = main["services"]["main"]
+    assert service["container_name"] == name and service["image"].startswith("tslightning-task/helper-db:")
+    assert service["pids_limit"] > 0 and service["cap_drop"] == ["NET_RAW"] and service["init"] is True
+    down = ["docker", "compose", "--project-name", name, *files, "down", "--volumes", "--remove-orphans"]
+    assert calls[-1][: len(down)] == down
+
+
+def test_helper_containers_are_refused_where_compose_is_missing(engine, monkeypatch):
+    monkeypatch.setenv("FAKE_NO_COMPOSE", "1")
+    task = TerminalTask.load(FIXTURES / "helper-db")
+    status, reasons = unmet_needs(task, "podman")
+    assert status == "needs helper container" and "`compose` is not available with the podman backend" in reasons[-1]
+    with TerminalTaskAttempt(task, make_attempt_sandbox=sandbox_factory("podman"), toolchain=None) as attempt:
+        with pytest.raises(SandboxUnavailableError, match="`.*podman compose` is not available"):
+            attempt.run_command("true")

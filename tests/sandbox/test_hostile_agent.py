@@ -98,9 +98,10 @@ def test_a_command_cannot_widen_its_cpu_affinity(attempt):
 
 def test_tests_are_read_only_even_when_shown(attempt):
     (attempt.attempt.tests / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
-    if os.geteuid() == 0:  # owned by the sandbox's uid: only the read-only bind stops the writes
+    if os.geteuid() == 0:  # owned by the uid that runs it (beside a live environment: the verifier's): only the
+        uid = getattr(attempt.sandbox, "verifier_uid", 61000)  # read-only bind stops the writes
         for path in (attempt.attempt.tests, attempt.attempt.tests / "test.sh"):
-            os.chown(path, 61000, 61000)
+            os.chown(path, uid, uid)
     result = attempt.sandbox.run("echo forged >> /tests/test.sh; touch /tests/new", mounts=("app", "tests"))
     assert result.exit_code == 1 and result.output.count("Read-only file system") == 2
 

@@ -66,3 +66,23 @@ def test_defaults_and_the_last_stage(tmp_path):
 def test_malformed_files_name_the_line(text, message):
     with pytest.raises(DockerfileError, match=message):
         parse_dockerfile(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "output"),
+    [
+        ("RUN <<EOF\necho leading\nEOF\n", "leading\n"),
+        ("RUN python3 - <<'PY'\nprint('read from stdin')\nPY\n", "read from stdin\n"),
+        ("RUN cat <<A && cat <<-B\nfirst\nA\n\tsecond\n\tB\n", "first\nsecond\n"),
+        ('RUN ["echo", "exec form"]\n', "exec form\n"),
+    ],
+    ids=["leading", "command-reads-it", "two", "exec"],
+)
+def test_a_run_script_feeds_each_heredoc_to_the_command_that_names_it(text, output):
+    """BuildKit: ``RUN <<EOF`` runs the body; ``RUN cmd <<EOF`` runs cmd with the body on its stdin (it used to run
+    ``cmd`` with no body at all)."""
+    import subprocess
+
+    (instruction,) = [i for i in parse_dockerfile("FROM debian\n" + text) if i.keyword == "RUN"]
+    done = subprocess.run(["sh", "-c", instruction.run_script], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, output), done.stderr

@@ -70,3 +70,9 @@ def test_cli_names_what_each_task_needs(tmp_path, capsys):
     assert "1/2 tasks valid" in captured.out and "by status: needs helper container 1, valid 1" in captured.out
     assert "tasks validate: 1 task(s) cannot run here: helper-db (needs helper container)" in captured.err
     assert "invalid task(s)" not in captured.err
+
+
+def test_a_service_the_reference_leaves_running_is_checked_by_the_verifier():
+    result = validate_task(FIXTURES / "loopback-service")
+    assert result.status == "valid", result.problems
+    assert result.reference.passed_fraction == 1.0 and result.noop.passed_fraction == 0.0

@@ -87,7 +87,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = self.current_index(trainer, pl_module)
         if self._engines_serve_another(trainer, version):
-            weights = full_weights(self._policy_of(pl_module))
+            weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only())
             publish = self._publish_from_every_rank if self.every_rank else self._publish_from_rank_zero
             publish(trainer, weights, version)
 
@@ -101,7 +101,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = k + 1
         start = time.perf_counter()
-        weights = full_weights(self._policy_of(pl_module))  # ZeRO-3: a gather every rank enters
+        weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only())  # ZeRO-3: a gather
         if self.every_rank:
             self._publish_from_every_rank(trainer, weights, version)
         else:
@@ -124,6 +124,10 @@ class WeightPublisher(UpdateCallback):
         if not self.every_rank:
             return bool(trainer.strategy.broadcast(stale, src=0))
         return float(control_all_reduce(torch.tensor([float(stale)]))[0]) > 0  # a host flag: over gloo
+
+    def _adapter_only(self) -> bool:
+        """Whether the engine serves a LoRA adapter over fixed base weights (it then takes the adapter alone)."""
+        return bool(getattr(self.engine, "publishes_adapter", False))
 
     def _require_engine(self) -> None:
         if self.engine is None:
@@ -179,9 +183,15 @@ class WeightPublisher(UpdateCallback):
         self.publications = state_dict["publications"]
 
 
-def full_weights(policy: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+def full_weights(policy: torch.nn.Module, adapter: bool = False) -> Callable[[], dict[str, torch.Tensor]]:
     """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3 or FSDP2, where
-    every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank."""
+    every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank.
+
+    With ``adapter`` (an engine that serves LoRA adapters) it is the peft policy's adapter alone
+    (:func:`adapter_state_dict`); such engines run beside one learner rank, so nothing is partitioned.
+    """
+    if adapter:
+        return lambda: adapter_state_dict(policy)
     if shards_parameters(policy):
         state = full_state_dict(policy)
         return lambda: state
@@ -203,6 +213,22 @@ def publishable_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     if isinstance(policy, PeftModel):
         return copy.deepcopy(policy).merge_and_unload().state_dict()
     return policy.state_dict()
+
+
+def adapter_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A peft policy's LoRA adapter in peft's saved format (``...q_proj.lora_A.weight``), detached, not copied.
+
+    Raises:
+        ValueError: If ``policy`` is not a peft model (set ``model.lora`` to train an adapter).
+    """
+    from peft import PeftModel, get_peft_model_state_dict
+
+    if not isinstance(policy, PeftModel):
+        raise ValueError(
+            f"the rollout engine serves LoRA adapters, but the policy is a {type(policy).__name__}, not a peft model: "
+            "set model.lora, or start the servers without an adapter"
+        )
+    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(policy).items()}
 
 
 def _wait_for(publish: Callable[[], PublishReceipt], timeout_s: float | None, version: int) -> PublishReceipt:

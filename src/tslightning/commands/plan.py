@@ -15,7 +15,8 @@ def plan_report(plan: MemoryPlan, shape: LearnerShape, gpu_memory_gb: float | No
     """The printed plan: the table, and whether it fits ``gpu_memory_gb`` with the settings to change if not."""
     lines = [
         f"per learner rank: {shape.precision}, strategy {shape.strategy} x {shape.world_size}, {shape.objective}, "
-        f"{shape.open_groups} open group(s), {shape.sequence_tokens}-token passes"
+        f"{shape.open_groups} open group(s) per rank, {shape.sequence_tokens}-token passes"
+        + (f", statistics sharded over {plan.statistics_shards} ranks" if plan.statistics_shards > 1 else "")
         + (f", LoRA r={shape.lora_rank}" if shape.lora_rank else ", full fine-tuning"),
         plan.table(),
     ]

@@ -46,7 +46,7 @@ def tasks_validate(
             make_attempt_sandbox=sandbox_factory(backend),
             reward_key=reward_key,
             allow_internet=allow_internet,
-            containers=backend in ("docker", "podman"),
+            containers=backend if backend in ("docker", "podman") else False,
         )
     except (FileNotFoundError, SandboxUnavailableError) as error:
         print(f"tasks validate: {error}", file=sys.stderr)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tslightning.core.folding_queue import FoldingQueue
 from tslightning.core.parameter_layout import ParameterLayout
+from tslightning.core.shard_layout import ShardLayout
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator, advantage_scale, group_mean, is_uniform
 
 
@@ -38,24 +40,40 @@ class GroupAccumulator:
     source and freed when it closes; the batch accumulator is one more. Held memory is therefore
     ``(2·open_groups + 1) · numel`` values of ``dtype`` (App. D.3), tracked in :attr:`peak_held_numel`.
 
+    With a :class:`~tslightning.core.shard_layout.ShardLayout` every vector is one rank's shard instead (FSDP2's
+    dim-0 chunks, padded): ``(2·open_groups + 1) · shard numel`` values, and sources arrive as shards
+    (:meth:`add_flat`).
+
+    With a :class:`~tslightning.core.folding_queue.FoldingQueue` :meth:`add` folds on its background thread; what
+    reads the statistics (:attr:`batch`, :meth:`close`) waits for the queued folds first.
+
     The first statistic is kept shifted, ``G1' = Σ (r_i − c) H_i`` with c the group's first reward; since
     ``G1 − μ G2 = G1' − (μ − c) G2`` this is the same update with less cancellation in FP32.
     """
 
     def __init__(
         self,
-        layout: ParameterLayout,
+        layout: ParameterLayout | ShardLayout,
         estimator: AdvantageEstimator = AdvantageEstimator.GRPO,
         eps: float = GRPO_EPSILON,
         dtype: torch.dtype = torch.float32,
+        folding: FoldingQueue | None = None,
     ) -> None:
         self.layout = layout
+        self.folding = folding
         self.estimator = AdvantageEstimator(estimator)
         self.eps = eps
         self.dtype = dtype
-        self.batch = layout.zeros(dtype)
+        self._batch = layout.zeros(dtype)
         self._open: dict[str, _GroupStatistics] = {}
         self.peak_held_numel = self.held_numel
+
+    @property
+    def batch(self) -> torch.Tensor:
+        """The batch accumulator Σ_G g_G of the groups closed so far (after every queued fold has run)."""
+        if self.folding is not None:
+            self.folding.drain()
+        return self._batch
 
     @property
     def held_numel(self) -> int:
@@ -67,7 +85,15 @@ class GroupAccumulator:
         return list(self._open)
 
     def add(self, group_id: str, group_size: int, reward: float, grads: Sequence[torch.Tensor]) -> None:
-        """Fold one trajectory's source gradient H_i (as per-parameter tensors) and reward into its group."""
+        """Fold one trajectory's source gradient H_i (as per-parameter tensors) and reward into its group (on the
+        folding thread when there is one: ``grads`` must not change until it has run)."""
+        if self.folding is None:
+            self.add_flat(group_id, group_size, reward, self.layout.gather(grads, self.dtype))
+            return
+        self.folding.submit(lambda: self.add_flat(group_id, group_size, reward, self.layout.gather(grads, self.dtype)))
+
+    def add_flat(self, group_id: str, group_size: int, reward: float, flat: torch.Tensor) -> None:
+        """Fold H_i given as one flat vector in the layout's order (a shard under a ShardLayout), ``(numel,)``."""
         stats = self._open.get(group_id)
         if stats is None:
             stats = _GroupStatistics(
@@ -75,16 +101,26 @@ class GroupAccumulator:
             )
             self._open[group_id] = stats
             self.peak_held_numel = max(self.peak_held_numel, self.held_numel)
-        flat = self.layout.gather(grads, self.dtype)  # one copy of H_i where the statistics live
         stats.g1.add_(flat, alpha=reward - stats.shift)
         stats.g2.add_(flat)
         stats.rewards.append(reward)
+
+    def folded(self, group_id: str) -> int:
+        """Sources folded into open group ``group_id`` so far (0 if it holds no statistics)."""
+        stats = self._open.get(group_id)
+        return 0 if stats is None else len(stats.rewards)
+
+    def is_complete(self, group_id: str) -> bool:
+        """Whether every source of open group ``group_id`` has been folded in (it can close)."""
+        stats = self._open.get(group_id)
+        return stats is not None and len(stats.rewards) == stats.size
 
     def close(self, group_id: str) -> GroupReduction:
         """Combine g_G = (a_G / m)(G1' − (μ − c) G2) into the batch accumulator and free the group's statistics.
 
         A uniform-reward group adds exactly nothing but still counts as reduced.
         """
+        batch = self.batch  # waits for queued folds
         stats = self._open.pop(group_id)
         if len(stats.rewards) != stats.size:
             self._open[group_id] = stats
@@ -94,13 +130,15 @@ class GroupAccumulator:
         scale = 0.0 if uniform else advantage_scale(stats.rewards, self.estimator, self.eps)
         if not uniform:
             # (a/m)·G1' − (a/m)(μ − c)·G2, each coefficient a float64 scalar applied once.
-            self.batch.add_(stats.g1, alpha=scale / stats.size)
-            self.batch.add_(stats.g2, alpha=-scale * (mu - stats.shift) / stats.size)
+            batch.add_(stats.g1, alpha=scale / stats.size)
+            batch.add_(stats.g2, alpha=-scale * (mu - stats.shift) / stats.size)
         return GroupReduction(group_id, tuple(stats.rewards), mu, scale, uniform)
 
     def reset(self) -> None:
         """Start a new logical batch: zero the batch accumulator, drop any open statistics."""
+        if self.folding is not None:
+            self.folding.discard()
         self._open.clear()
-        self.batch = self.layout.placed(self.batch)
-        self.batch.zero_()
+        self._batch = self.layout.placed(self._batch)
+        self._batch.zero_()
         self.peak_held_numel = self.held_numel

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tslightning.core.folding_queue import FoldingQueue
 from tslightning.core.parameter_layout import ParameterLayout
 
 
@@ -16,11 +17,22 @@ class TurnAccumulator:
     (:meth:`direction`), after the cross-rank sum of both the vector and the count.
     """
 
-    def __init__(self, layout: ParameterLayout, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, layout: ParameterLayout, dtype: torch.dtype = torch.float32, folding: FoldingQueue | None = None
+    ) -> None:
         self.layout = layout
         self.dtype = dtype
-        self.total = layout.zeros(dtype)
+        self.folding = folding
+        """Where :meth:`add` folds (a background thread), or ``None``: on the caller's thread."""
+        self._total = layout.zeros(dtype)
         self.num_tokens = 0
+
+    @property
+    def total(self) -> torch.Tensor:
+        """Σ_j g_j of the turns added so far (after every queued fold has run)."""
+        if self.folding is not None:
+            self.folding.drain()
+        return self._total
 
     @property
     def held_numel(self) -> int:
@@ -28,10 +40,15 @@ class TurnAccumulator:
 
     def add(self, grads: Sequence[torch.Tensor], num_scored: int) -> None:
         """Fold one turn's unnormalized g_j (per-parameter tensors) and its |M_j| scored tokens."""
-        self.layout.add_(self.total, grads)
+        if self.folding is None:
+            self.layout.add_(self._total, grads)
+        else:
+            self.folding.submit(lambda: self.layout.add_(self._total, grads))
         self.num_tokens += num_scored
 
     def reset(self) -> None:
-        self.total = self.layout.placed(self.total)
-        self.total.zero_()
+        if self.folding is not None:
+            self.folding.discard()
+        self._total = self.layout.placed(self._total)
+        self._total.zero_()
         self.num_tokens = 0

@@ -97,6 +97,45 @@ def all_reduce_sum(tensor: torch.Tensor, device: torch.device | str | None = Non
     return tensor
 
 
+def control_all_gather(value: object) -> list[object]:
+    """Every rank's ``value`` (a small picklable object), in rank order, over :func:`control_group`.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if not distributed():
+        return [value]
+    values: list[object] = [None] * dist.get_world_size()
+    _run(lambda: dist.all_gather_object(values, value, group=control_group()))
+    return values
+
+
+def all_to_all_rows(
+    rows: torch.Tensor | None, senders: list[bool], n: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Send row j of ``rows`` (``(world_size, n)``, or ``None`` when this rank sends nothing) to rank j; returns the
+    rows the sending ranks sent here, ``(sum(senders), n)`` in rank order.
+
+    Every rank passes the same ``senders`` (which ranks send rows); a rank that sends nothing sends no bytes.
+    Exchanged on ``device`` (the learner's) over the group that serves it, like :func:`all_reduce_sum`; the result
+    lives there too. Identity on one process.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    world_size = len(senders)
+    device = torch.device(device)
+    if not distributed():
+        return rows.to(device) if rows is not None else torch.empty(0, n, dtype=dtype, device=device)
+    group = control_group() if device.type == "cpu" else None
+    send = rows.to(device).contiguous() if rows is not None else torch.empty(0, dtype=dtype, device=device)
+    incoming = torch.empty(sum(senders) * n, dtype=dtype, device=device)
+    send_splits = [n if rows is not None else 0] * world_size
+    receive_splits = [n if sending else 0 for sending in senders]
+    _run(lambda: dist.all_to_all_single(incoming, send.reshape(-1), receive_splits, send_splits, group=group))
+    return incoming.view(-1, n)
+
+
 def _run(collective) -> None:
     try:
         collective()

@@ -23,8 +23,9 @@ gathers each layer in a collective, so the ranks serve their sources in lock-ste
 their GPU-clock checkpoints are sharded, every rank writing its partition
 (:mod:`tslightning.callbacks.checkpoint_layout`), and resume on the same strategy and number of ranks (FSDP2's
 reshard onto any number). ``fsdp`` is FSDP2 (``fully_shard``, one unit per decoder block) through Fabric's
-``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; float64 too, on CPU over gloo); like
-ZeRO-3 it serves sources in lock-step, and its checkpoints are sharded too.
+``ModelParallelStrategy`` (:mod:`tslightning.distributed.fsdp_gradients`; on CPU over gloo; a model the caller casts
+to float64 runs under it, but Fabric has no ``64-true`` precision for it, so ``fit`` refuses that pair); like ZeRO-3
+it serves sources in lock-step, and its checkpoints are sharded too.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class LearnerSettings:
     statistics_device: Literal["host", "device"] = "host"
     """Where the streaming statistics (GRPO G1/G2 of open groups and the batch accumulator; OPD's sum) live: ``host``
     memory (page-locked on GPUs, one copy per source) or the learner's ``device`` (no copy, device memory)."""
+    shard_statistics: bool = False
+    """Under ``fsdp``: each rank keeps only its shard (FSDP2's dim-0 chunks) of every open group's G1/G2 and of the
+    batch accumulator, ``(2·open + 1)·numel/world`` values (``open`` over all ranks) instead of ``(2·open + 1)·numel``;
+    each lock-step tick sends every rank its shards of the ticks' source gradients
+    (:mod:`tslightning.distributed.statistics_shards`). GRPO only; placed by ``statistics_device``."""
+    fold_queue_depth: int = 0
+    """Fold each source's gradient into the statistics (the copy to ``statistics_device`` and Eq. 7's axpys) on a
+    background thread, at most this many pending, while the learner thread runs the next pass; each pending fold
+    keeps one gradient-sized buffer alive on the device. 0: fold on the learner thread. Not with
+    ``shard_statistics``, which folds at each tick's exchange."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -74,9 +85,36 @@ class LearnerSettings:
             problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
         if not self.timeout_s > 0:
             problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
+        if isinstance(self.fold_queue_depth, bool) or self.fold_queue_depth < 0:
+            problems.append(
+                f"learner.fold_queue_depth must be an int >= 0 (0: fold on the learner thread); got "
+                f"{self.fold_queue_depth}"
+            )
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")
         return problems
+
+    def sharding_problems(self, objective: str) -> list[str]:
+        """Why ``shard_statistics`` cannot shard ``objective``'s statistics under ``strategy`` (empty: it can)."""
+        if not self.shard_statistics:
+            return []
+        if self.fold_queue_depth:
+            return [
+                "learner.shard_statistics folds each source at its lock-step tick's exchange; set "
+                "learner.fold_queue_depth: 0 with it (or shard_statistics: false)"
+            ]
+        if self.strategy != "fsdp":
+            return [
+                f"learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy "
+                f"{self.strategy!r} does not shard them that way: set learner.strategy: fsdp or "
+                "learner.shard_statistics: false"
+            ]
+        if objective != "grpo":
+            return [
+                f"learner.shard_statistics shards GRPO's G1/G2 and batch accumulator; objective {objective!r} holds "
+                "one sum: set learner.shard_statistics: false"
+            ]
+        return []
 
 
 def learner_strategy(settings: LearnerSettings, accelerator: str):

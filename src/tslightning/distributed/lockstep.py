@@ -78,6 +78,11 @@ class LockstepTicks:
     def serve(self, update: int) -> None:
         """After an ingest: one tick, then more while this rank still holds work (a collective)."""
         self.tick(update)
+        self.flush(update)
+
+    def flush(self, update: int) -> None:
+        """Tick until this rank's queued work has all run (a collective; nothing when none is queued): before
+        something that needs it done, such as closing a group whose sources' folds are queued."""
         while self._queue:
             self.tick(update)
 

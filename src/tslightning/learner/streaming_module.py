@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tslightning.core.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.core.folding_queue import FoldingQueue
 from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
 from tslightning.core.parameter_layout import ParameterLayout, total_norm
 from tslightning.core.sources import (
@@ -48,6 +49,7 @@ from tslightning.distributed.collectives import all_reduce_sum, control_all_redu
 from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
+from tslightning.distributed.statistics_shards import Contribution, statistics_shards
 from tslightning.distributed.zero_gradients import (
     backward_direction,
     clip_coefficient,
@@ -93,6 +95,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
         statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; one
             copy per source) or the policy's ``device`` (no copy; costs (2k+1) parameter-sized vectors there).
+        shard_statistics: GRPO under FSDP2: a rank holds its shard of the statistics (:attr:`last_direction` too;
+            ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`.
+        fold_queue_depth: Fold sources into the statistics on a background thread, at most this many pending
+            (:mod:`tslightning.core.folding_queue`); 0 folds on the learner thread.
     """
 
     def __init__(
@@ -110,6 +116,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         max_policy_lag: int = 0,
         context_backward: ContextBackward = ContextBackward.RECOMPUTE,
         statistics_device: str = "host",
+        shard_statistics: bool = False,
+        fold_queue_depth: int = 0,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -132,9 +140,16 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.num_optimizer_steps = 0
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
-        self.groups = GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype)
-        self.turns = TurnAccumulator(self.layout, dtype)
         self.context_backward = ContextBackward(context_backward)
+        learner = (self.objective.value, self.context_backward.value, fold_queue_depth)
+        self.shards = statistics_shards(
+            shard_statistics, self.layout, self.advantage, advantage_epsilon, dtype, *learner
+        )
+        """This rank's shard of the GRPO statistics (``shard_statistics``), or ``None``: whole statistics."""
+        self.folding = FoldingQueue(fold_queue_depth) if fold_queue_depth else None
+        space, groups = (self.layout, None) if self.shards is None else (self.shards.layout, self.shards.groups)
+        self.groups = groups or GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype, self.folding)
+        self.turns = TurnAccumulator(space, dtype, self.folding)  # OPD's sum (GRPO's shards never use it)
         if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
             raise ValueError(
                 f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
@@ -188,6 +203,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f"BatchPlan.group_sizes {small} are too small for advantage {self.advantage.value!r}, which needs "
                 f">= {self.advantage.min_group_size} trajectories per group"
             )
+        if self.shards is not None:
+            self.shards.begin_batch()  # checks the parameters are FSDP2 shards first
         self.lockstep = self._lockstep_ticks()
         self.groups.reset()  # (re)places the statistics: the policy may have moved to its device since
         self.turns.reset()
@@ -238,7 +255,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         while work:
             admitted = work.popleft()
             if isinstance(admitted, GroupClosed):
-                self._reductions.append(self.groups.close(admitted.group_id))
+                if self.lockstep is not None:  # admitted with its sources (a cap released it): fold them first
+                    self.lockstep.flush(self.policy_version)
+                self._reductions.append((self.shards or self.groups).close(admitted.group_id))
                 if self.shared_prompts is not None:
                     self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
                 work.extend(self.admission.release(admitted.group_id))
@@ -269,6 +288,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         barrier_start = time.perf_counter()
         with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
             registry.require_complete()
+            if self.folding is not None:
+                self.folding.drain()  # a fold's error fails the update on every rank
             if self.schedule is Schedule.SYNC:
                 self._compute_sync_direction(registry.plan)
             if self.lockstep is not None:
@@ -277,7 +298,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
         agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
-        norm = float(torch.linalg.vector_norm(direction, dtype=torch.float64))  # float32 entries, float64 sum
+        norm = self._direction_norm(direction)
         if not math.isfinite(norm):
             raise FloatingPointError(
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
@@ -285,7 +306,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
         fsdp = self._fsdp  # FSDP2: each rank writes its shard of the (clipped) direction
         coefficient = clip_coefficient(norm, self.max_grad_norm)
-        if fsdp:
+        if self.shards is not None:
+            self.shards.write_grads(direction, scale=-coefficient)
+        elif fsdp:
             write_direction(self.layout, direction, scale=-coefficient)
         elif zero is None:
             self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
@@ -319,25 +342,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self._reset_batch()
         return result
 
-    # ----------------------------------------------------------------- reading the update
-    @property
-    def clips_gradients(self) -> bool:
-        """Whether the barrier clips the batch direction itself (``max_grad_norm`` set); a
-        :class:`~tslightning.callbacks.GradientClipping` callback then refuses to clip it again."""
-        return self.max_grad_norm is not None
-
-    def named_direction(self) -> dict[str, torch.Tensor]:
-        """The last update's g_k per trainable parameter, keyed like ``policy.named_parameters()`` (views of
-        :attr:`last_direction`; ascent direction, unclipped — see :meth:`barrier`)."""
-        if self.last_direction is None:
-            raise RuntimeError("named_direction: no update has run yet (the barrier sets last_direction)")
-        names = [name for name, p in self.policy.named_parameters() if p.requires_grad]
-        return dict(zip(names, self.layout.unflatten(self.last_direction), strict=True))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        s = self.optimizer_settings
-        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
-
     # ----------------------------------------------------------------- per-source learner work (thundersync)
     def _fold_trajectory(self, source: TrajectorySource) -> None:
         """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1); fold into its group's G1/G2 (Eq. 7)."""
@@ -348,7 +352,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
             grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
-        self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+        if self.shards is not None:  # folded by every rank at this tick's exchange
+            self.shards.stage(Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward), grads)
+        else:
+            self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
         """The prompt part of a closed group's g_G, one backward of its combined boundary adjoint (App. I)."""
@@ -373,7 +380,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     # ----------------------------------------------------------------- batch-synchronous learner work (sync)
     def _compute_sync_direction(self, plan: BatchPlan) -> None:
         """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
-        self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
+        if self.shards is None:  # sharded, peers' shards may have arrived already: the batch's reset was at its start
+            self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
         self.turns.reset()
         self._reductions = []
         self.service_log = []
@@ -390,7 +398,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
         objective = batch_objective(self.policy, self.objective, chunk, weights)
         grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
-        if self.objective is Objective.GRPO:
+        if self.shards is not None:
+            self.shards.stage(Contribution(None), grads)
+        elif self.objective is Objective.GRPO:
             self.layout.add_(self.groups.batch, grads)
         else:
             self.turns.add(grads, sum(s.num_scored for s in chunk))
@@ -408,6 +418,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
         torch.autograd.grad(logp.sum(), self._leaves(), allow_unused=True)  # discarded: nothing is folded
         release_pass_leftovers(self)
+        if self.shards is not None:
+            self.shards.exchange()  # the other ranks' shards still arrive (every rank exchanges after every pass)
 
     def _lockstep_ticks(self) -> LockstepTicks | None:
         sharded = partitions_parameters(self.policy) or self._fsdp
@@ -422,10 +434,15 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
-        start = time.perf_counter()
-        with pass_context(self):
-            work()
-        release_pass_leftovers(self)  # ZeRO-3 only
+        start, failed = time.perf_counter(), True
+        try:
+            with pass_context(self):
+                work()
+            release_pass_leftovers(self)  # ZeRO-3 only
+            failed = False
+        finally:  # a failed pass exchanges too, sending nothing: its peers hear the failure at their next tick
+            if self.shards is not None:
+                self.shards.exchange(send=not failed)  # what this pass staged goes to every rank
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
@@ -434,6 +451,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
         """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
         device = self.layout.parameters[0].device  # the data backend reduces there (NCCL: never a host tensor)
+        if self.shards is not None:  # every rank's sources are already folded into every shard
+            return self.groups.batch.clone(), self._num_scored_tokens
         if self.objective is Objective.GRPO:
             return all_reduce_sum(self.groups.batch.clone(), device), self._num_scored_tokens
         total = all_reduce_sum(self.turns.total.clone(), device)
@@ -441,6 +460,14 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if count == 0:
             raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
         return total / count, count
+
+    def _direction_norm(self, direction: torch.Tensor) -> float:
+        """‖g_k‖ from float32 entries summed in float64; sharded, from every rank's shard (a collective)."""
+        return (
+            self.shards.norm(direction)
+            if self.shards
+            else float(torch.linalg.vector_norm(direction, dtype=torch.float64))
+        )
 
     def _reset_batch(self) -> None:
         self._registry = None

@@ -32,11 +32,32 @@ from tslightning.learner.update_result import UpdateResult
 
 
 class UpdateStreamHooks:
-    """The streaming module's LightningModule hooks: one update per batch, and checkpoint hooks.
+    """The streaming module's LightningModule hooks (one update per batch, its optimizer, checkpoint hooks) and
+    what it reports of the last update (:meth:`named_direction`).
 
     Mixed into :class:`~tslightning.learner.streaming_module.StreamingPolicyModule`, whose ``ingest``, ``barrier``,
-    ``clips_gradients``, ``last_update``, ``policy_version`` and ``num_optimizer_steps`` it uses.
+    ``max_grad_norm``, ``optimizer_settings``, ``last_direction``, ``last_update``, ``layout``, ``shards``,
+    ``policy``, ``policy_version`` and ``num_optimizer_steps`` it uses.
     """
+
+    @property
+    def clips_gradients(self) -> bool:
+        """Whether the barrier clips the batch direction itself (``max_grad_norm`` set); a
+        :class:`~tslightning.callbacks.GradientClipping` callback then refuses to clip it again."""
+        return self.max_grad_norm is not None
+
+    def named_direction(self) -> dict[str, torch.Tensor]:
+        """The last update's g_k per trainable parameter, keyed like ``policy.named_parameters()`` (views of
+        :attr:`last_direction`; ascent direction, unclipped — see :meth:`barrier`)."""
+        if self.last_direction is None or self.shards is not None:  # sharded: a shard of g_k (shards.gather)
+            raise RuntimeError("named_direction: no update has run yet, or shard_statistics holds a shard of it")
+        names = [name for name, p in self.policy.named_parameters() if p.requires_grad]
+        return dict(zip(names, self.layout.unflatten(self.last_direction), strict=True))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters with :attr:`optimizer_settings`."""
+        s = self.optimizer_settings
+        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
 
     def training_step(self, batch: Iterable[StreamItem | BatchPlan] | StreamItem | BatchPlan, batch_idx: int) -> None:
         """One update per Trainer batch: ``batch`` is the update's stream — its :class:`BatchPlan`, sources and events

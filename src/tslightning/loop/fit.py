@@ -176,7 +176,13 @@ def fit(
             context = agent_limits(rollout, policy.config).max_context_tokens
             engine = started.enter_context(
                 start_engine(
-                    rollout, policy_dir, serving_dtype(model.precision), placement, learner.world_size, context
+                    rollout,
+                    policy_dir,
+                    serving_dtype(model.precision),
+                    placement,
+                    learner.world_size,
+                    context,
+                    lora=model.lora,
                 )
             )
             teacher = None
@@ -201,6 +207,8 @@ def fit(
             max_policy_lag=lag,
             context_backward=context_backward,
             statistics_device=learner.statistics_device,
+            shard_statistics=learner.shard_statistics,
+            fold_queue_depth=learner.fold_queue_depth,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)

@@ -41,6 +41,8 @@ def learner_shape(
         open_groups=min(group_admission_cap or groups_per_rank, groups_per_rank),
         sequence_tokens=context,
         statistics_device=learner.statistics_device,
+        shard_statistics=learner.shard_statistics,
+        fold_queue_depth=learner.fold_queue_depth,
         lora_rank=model.lora.r if model.lora is not None else None,
         lora_targets=tuple(model.lora.target_modules) if model.lora is not None else (),
     )

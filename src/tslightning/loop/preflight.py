@@ -186,10 +186,19 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
 
 
 def server_problems(rollout: RolloutSettings) -> list[str]:
-    """``vllm_server``: each of ``rollout.server_urls`` that does not answer (checked once the URLs are well formed)."""
-    if rollout.engine != "vllm_server" or url_problems(rollout.server_urls) or importlib.util.find_spec("vllm") is None:
-        return []  # malformed URLs, or no vLLM (and its HTTP client): reported by the other checks
-    return reachability_problems(rollout.server_urls or [], timeout_s=min(10.0, rollout.server_timeout_s))
+    """``vllm_server``: each of ``rollout.server_urls`` that does not answer, and ``rollout.teacher_url`` (checked once
+    the URLs are well formed); ``rollout.launcher ray``: Ray installed (the launcher starts the servers)."""
+    if rollout.launcher == "ray" and importlib.util.find_spec("ray") is None:
+        return ["rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or give rollout.server_urls instead"]
+    if importlib.util.find_spec("vllm") is None:
+        return []  # no vLLM (and its HTTP client): reported by the other checks
+    timeout_s = min(10.0, rollout.server_timeout_s)
+    problems = []
+    if rollout.teacher_url is not None and not url_problems([rollout.teacher_url]):
+        problems += reachability_problems([rollout.teacher_url], timeout_s, key="rollout.teacher_url")
+    if rollout.launcher == "ray" or rollout.engine != "vllm_server" or url_problems(rollout.server_urls):
+        return problems  # launched servers; malformed URLs: reported by the settings' checks
+    return problems + reachability_problems(rollout.server_urls or [], timeout_s=timeout_s)
 
 
 def _machine_problems(

@@ -116,7 +116,8 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
         point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
     except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
         raise InvalidSettingsError([str(error)]) from error
-    weights = full_weights(module.policy)  # every rank: sharded weights are gathered (a collective)
+    adapter = bool(getattr(engine, "publishes_adapter", False))  # LoRA on vLLM servers: the adapter alone
+    weights = full_weights(module.policy, adapter=adapter)  # every rank: sharded weights are gathered (a collective)
     if fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
         engine.publish(weights(), point.policy_version)
     fabric.barrier()

@@ -11,6 +11,7 @@ from typing import Literal
 from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
+from tslightning.rollout.replica_launcher import RaySettings
 from tslightning.rollout.vllm_server_check import url_problems
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
@@ -124,11 +125,24 @@ class RolloutSettings:
     server_urls: list[str] | None = None
     """``vllm_server``: the servers' base URLs, e.g. ``[http://10.0.0.2:8000, http://10.0.0.3:8000]``; a
     trajectory's turns all go to one of them."""
+    launcher: Literal["none", "ray"] = "none"
+    """``vllm_server``: ``none`` uses the running servers at ``server_urls``; ``ray`` starts ``ray.replicas`` servers
+    as Ray actors, health-checks them and restarts a dead one (README: Ray launcher; the ``ray`` extra)."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """``launcher: ray``: the cluster, the replicas and their resources (the servers take ``vllm``'s dtype-independent
+    settings: ``max_model_len``, ``tensor_parallel_size``, ``gpu_memory_utilization``, ``enforce_eager``)."""
     server_transport: Literal["gloo", "nccl"] = "gloo"
     """``vllm_server``: how weights reach the servers — ``gloo`` (CPU, any host; servers started with the
     ``tslightning_gloo`` weight-transfer backend) or ``nccl`` (GPUs; the ``nccl`` backend)."""
     server_timeout_s: float = 600.0
     """``vllm_server``: seconds one request, one server check or one publication step may take."""
+    teacher_url: str | None = None
+    """OPD: the base URL of a vLLM server serving the frozen teacher (``http://host:port``; started with
+    ``--enable-scale-out``, the student's tokenizer), which scores each turn through prompt log-probs of the student's
+    token ids; ``None``: the in-process teacher (``model.teacher_path``)."""
+    server_adapter_dir: str | None = None
+    """``vllm_server`` with ``model.lora``: where each version's adapter is written for the servers to load — the
+    same path must be readable on every server's host (a shared file system); ``None``: ``<out_dir>/adapters``."""
     replicas: int = 1
     """``hf`` replicas (processes) serving the policy."""
     max_batch_size: int = 64
@@ -210,11 +224,25 @@ class RolloutSettings:
             problems.append(f"rollout.dev_fraction must be in [0, 1]; got {self.dev_fraction}")
         if self.task_names is not None and not self.task_names:
             problems.append("rollout.task_names is empty: name at least one task, or null for every task")
-        if self.engine == "vllm_server":
+        if self.launcher == "ray":
+            problems += self.ray.problems()
+            if self.engine != "vllm_server" or self.server_urls is not None:
+                problems.append(
+                    "rollout.launcher ray starts the servers of rollout.engine vllm_server itself: set rollout.engine "
+                    "vllm_server and leave rollout.server_urls unset"
+                )
+        elif self.engine == "vllm_server":
             problems += url_problems(self.server_urls)
         elif self.server_urls is not None:
             problems.append(
                 f"rollout.server_urls applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
+            )
+        if self.teacher_url is not None:
+            malformed = url_problems([self.teacher_url])
+            problems += [problem.replace("rollout.server_urls", "rollout.teacher_url") for problem in malformed]
+        if self.server_adapter_dir is not None and self.engine != "vllm_server":
+            problems.append(
+                f"rollout.server_adapter_dir applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
             )
         if not self.server_timeout_s > 0:
             problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
@@ -295,13 +323,19 @@ def setting_problems(
             f"context_backward 'boundary' streams context adjoints under schedule thundersync; schedule {schedule!r} "
             "runs the recompute learner (set context_backward: recompute)"
         )
-    problems += learner.problems(schedule)
+    problems += learner.problems(schedule) + learner.sharding_problems(objective)
     if learner.strategy in SHARDED_PARAMETERS and context_backward == "boundary":
         problems.append(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
             "context backward runs several per source: set context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
+    if model.precision == "64-true" and learner.strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
+        problems.append(
+            f"model.precision 64-true needs learner.strategy ddp or auto: {learner.strategy} (Fabric's "
+            f"{'ModelParallelStrategy' if learner.strategy == 'fsdp' else 'DeepSpeedStrategy'}) has no float64; "
+            "set model.precision=32-true"
+        )
     if learner.activation_checkpointing and context_backward == "boundary":
         problems.append(
             "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "
@@ -309,6 +343,13 @@ def setting_problems(
         )
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")
+    if rollout.teacher_url is not None and objective != "opd":
+        problems.append(f"rollout.teacher_url serves the OPD teacher; objective {objective!r} has none (remove it)")
+    if rollout.teacher_url is not None and (model.teacher_path or model.teacher_cpus is not None):
+        problems.append(
+            "rollout.teacher_url and model.teacher_path/teacher_cpus both name the OPD teacher: keep the server "
+            "(remove model.teacher_path and model.teacher_cpus) or the in-process one (remove rollout.teacher_url)"
+        )
     return problems
 
 

@@ -25,6 +25,7 @@ from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
+from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.tasks.demonstrations import task_demonstrations
 from tslightning.tasks.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
@@ -198,6 +199,7 @@ def start_engine(
     placement: RankPlacement | None = None,
     world_size: int = 1,
     max_model_len: int | None = None,
+    lora=None,
 ):
     """This learner rank's rollout engine, serving ``policy_dir`` in ``dtype`` on its share of the node's cores
     (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``); ``vllm_server`` connects to running servers
@@ -210,22 +212,16 @@ def start_engine(
         placement: This rank's place on its node (``None``: one rank, the whole node).
         world_size: Learner ranks in all (a vLLM engine leaves the learner's process group alone above one).
         max_model_len: The agent's context limit; ``vllm`` serves it unless ``rollout.vllm.max_model_len`` is set.
+        lora: ``model.lora``: ``vllm_server`` then publishes the adapter (to ``rollout.server_adapter_dir``, by
+            default ``<out_dir>/adapters``), not merged weights.
     """
     placement = placement or RankPlacement(0, 1)
     cpus = placement.share(rollout.cpus)
     if rollout.engine == "vllm":
         return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     if rollout.engine == "vllm_server":
-        from tslightning.rollout.vllm_server_engine import VLLMServerEngine
-
-        return VLLMServerEngine(
-            rollout.server_urls or [],
-            policy_dir,
-            transport=rollout.server_transport,
-            dtype=dtype,
-            context_tokens=max_model_len or 4096,
-            timeout_s=rollout.server_timeout_s,
-        )
+        adapter = _adapter_spec(lora, rollout, policy_dir)
+        return _start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096, adapter)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(
@@ -236,6 +232,63 @@ def start_engine(
         max_batch_size=rollout.max_batch_size,
         prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
+
+
+def _start_vllm_server(rollout: RolloutSettings, policy_dir: Path, dtype: str, context: int, adapter=None):
+    """The ``vllm_server`` engine on ``rollout.server_urls``, or on replicas the Ray launcher starts first (with
+    LoRA at runtime when ``adapter``, a LoRA run's :class:`~tslightning.rollout.vllm_server_adapter.AdapterSpec`)."""
+    from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+
+    replicas = None
+    if rollout.launcher == "ray":
+        from tslightning.rollout.replica_launcher import RayReplicas
+
+        replicas = RayReplicas(
+            rollout.ray,
+            policy_dir,
+            policy_dir.parent / "replicas",
+            transport=rollout.server_transport,
+            dtype=dtype,
+            max_model_len=rollout.vllm.max_model_len or context,
+            extra=replica_server_args(rollout),
+            lora_rank=adapter.r if adapter is not None else None,
+        )
+    try:
+        return VLLMServerEngine(
+            replicas.urls if replicas is not None else rollout.server_urls or [],
+            policy_dir,
+            transport=rollout.server_transport,
+            dtype=dtype,
+            context_tokens=context,
+            timeout_s=rollout.server_timeout_s,
+            replicas=replicas,
+            adapter=adapter,
+        )
+    except BaseException:
+        if replicas is not None:
+            replicas.close()
+        raise
+
+
+def replica_server_args(rollout: RolloutSettings) -> list[str]:
+    """The ``api_server`` flags of each launched replica from ``rollout.vllm`` (``rollout.ray.server_args`` follow)."""
+    vllm = rollout.vllm
+    args = ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
+    if rollout.ray.num_gpus > 0:
+        args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
+    if vllm.enforce_eager:
+        args.append("--enforce-eager")
+    return args
+
+
+def _adapter_spec(lora, rollout: RolloutSettings, policy_dir: Path):
+    """Where and how a LoRA run's adapters are published to vLLM servers (``None``: not a LoRA run)."""
+    if lora is None:
+        return None
+    from tslightning.rollout.vllm_server_adapter import AdapterSpec
+
+    directory = Path(rollout.server_adapter_dir) if rollout.server_adapter_dir else policy_dir.parent / "adapters"
+    return AdapterSpec(lora.r, lora.alpha, tuple(lora.target_modules), directory.resolve(), str(policy_dir))
 
 
 def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
@@ -261,11 +314,15 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
 
 def start_teacher(
     fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool, placement
-) -> TeacherScorer:
+) -> TeacherScorer | TeacherServer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
     samples; built once on global rank 0 (``out/teacher-0``) and loaded by every rank. Its scoring thread runs on this
-    rank's share of ``model.teacher_cpus``."""
+    rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
+    (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
+    ``out/policy-0``."""
+    if rollout.teacher_url is not None:
+        return _teacher_server(rollout, out / "policy-0")
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
     with agreed_by_ranks("set-up: building the OPD teacher on global rank 0"):
         if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
@@ -281,13 +338,26 @@ def start_teacher(
         return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
 
 
+def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tslightning.rollout.vllm_server_check import PROBE_TEXT
+
+    probe = AutoTokenizer.from_pretrained(policy_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    config = AutoConfig.from_pretrained(policy_dir)
+    context = agent_limits(rollout, config).max_context_tokens
+    return TeacherServer(
+        rollout.teacher_url, probe, config.vocab_size, context_tokens=context, timeout_s=rollout.server_timeout_s
+    )
+
+
 def rollout_datamodule(
     rollout: RolloutSettings,
     engine,
     tokenizer,
     tasks,
     objective: str,
-    teacher: TeacherScorer | None,
+    teacher: TeacherScorer | TeacherServer | None,
     seed: int,
     placement: RankPlacement | None = None,
     policy_config=None,

@@ -7,12 +7,15 @@ on a laptop. Per learner rank:
   strategies that shard parameters (``fsdp``, ``deepspeed_stage_3``);
 * **gradients** — one source's gradient, the size of the trainable parameters: the streaming learner takes each
   source's gradient whole (``torch.autograd.grad``) before folding it into the statistics, and the barrier writes
-  the direction into ``.grad`` (partitioned under ZeRO and FSDP, which the per-source gradient is not);
+  the direction into ``.grad`` (partitioned under ZeRO and FSDP, which the per-source gradient is not); with
+  ``learner.fold_queue_depth`` d, d more, waiting for the background fold;
 * **optimizer** — AdamW's two moments per trainable value, in the master weights' dtype, divided among the ranks by
   ``fsdp`` and ZeRO-2/3;
 * **statistics** — the streaming accumulators (App. D.3): GRPO holds G1 and G2 for each open group plus the batch
   accumulator, (2k + 1) trainable-sized vectors for k open groups; OPD one. Where they live (host or device) is
-  ``learner.statistics_device``; they are not sharded;
+  ``learner.statistics_device``. With ``learner.shard_statistics`` (``fsdp``, GRPO) a rank holds its shard — FSDP2's
+  dim-0 chunk of every trainable parameter, padded — of G1/G2 of the groups open on *all* ranks (k per rank) and of
+  the batch accumulator: (2k·world + 1) shards;
 * **activations** — what autograd saves for the backward of one pass over the longest sequence, counted by tracing
   the forward with saved-tensor hooks (the implementation's real attention and MLP, not a formula), without and with
   activation checkpointing (then the decoder layers' inputs, plus one layer recomputed at a time).
@@ -52,6 +55,8 @@ class LearnerShape:
         open_groups: GRPO groups holding statistics at once on one rank (the admission cap k, else the rank's share).
         sequence_tokens: The longest sequence one pass runs (the context limit).
         statistics_device: ``host`` or ``device``.
+        shard_statistics: Each rank keeps only its shard of the statistics (``fsdp`` and GRPO).
+        fold_queue_depth: Source gradients waiting for the background fold (``learner.fold_queue_depth``).
         lora_rank: LoRA's r, or ``None`` for full fine-tuning.
         lora_targets: Module names that get adapters.
     """
@@ -63,6 +68,8 @@ class LearnerShape:
     open_groups: int = 1
     sequence_tokens: int = 2048
     statistics_device: str = "host"
+    shard_statistics: bool = False
+    fold_queue_depth: int = 0
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
 
@@ -81,6 +88,8 @@ class MemoryPlan:
     layer_recompute: int
     """One decoder layer's activations, re-materialized at a time in a checkpointed backward."""
     statistics_on_device: bool
+    statistics_shards: int = 1
+    """Ranks the statistics are sharded over (1: every rank holds them whole)."""
 
     def device_bytes(self, checkpointing: bool) -> int:
         """What the learner's device holds at its peak: everything but host-resident statistics."""
@@ -91,11 +100,16 @@ class MemoryPlan:
     def table(self) -> str:
         """A per-rank table in GiB."""
         place = "device" if self.statistics_on_device else "host"
+        statistics = (
+            "statistics (G1/G2 x open groups + batch)"
+            if self.statistics_shards == 1
+            else f"statistics, 1/{self.statistics_shards} shard (all ranks' groups)"
+        )
         rows = [
             ("weights", self.weights, "device"),
-            ("gradients (one source)", self.gradients, "device"),
+            ("gradients (one source + fold queue)", self.gradients, "device"),
             ("optimizer state (AdamW)", self.optimizer, "device"),
-            ("statistics (G1/G2 x open groups + batch)", self.statistics, place),
+            (statistics, self.statistics, place),
             ("activations, one pass", self.activations, "device"),
             ("activations, checkpointed (saved)", self.activations_checkpointed, "device"),
             ("  + one layer recomputed", self.layer_recompute, "device"),
@@ -113,6 +127,13 @@ class MemoryPlan:
             changes.append("learner.activation_checkpointing: true")
         if self.statistics_on_device:
             changes.append("learner.statistics_device: host")
+        if (
+            self.statistics_on_device
+            and shape.strategy == "fsdp"
+            and shape.objective == "grpo"
+            and self.statistics_shards == 1
+        ):
+            changes.append("learner.shard_statistics: true (each rank keeps its shard of G1/G2 and the batch)")
         if shape.objective == "grpo" and shape.open_groups > 1 and self.statistics_on_device:
             changes.append("group_admission_cap: 1 (fewer open groups' statistics)")
         if shape.strategy not in _SHARDS_WEIGHTS:
@@ -136,6 +157,10 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     weights = trainable * _size(trainable_dtype) + frozen * _size(frozen_dtype)
     statistics_dtype = torch.promote_types(trainable_dtype, torch.float32)
     vectors = 2 * shape.open_groups + 1 if shape.objective == "grpo" else 1
+    statistics = vectors * trainable
+    shards = shape.world_size if shape.shard_statistics and shape.strategy == "fsdp" else 1
+    if shards > 1:  # every rank's open groups, a padded dim-0 chunk of each
+        statistics = (2 * shape.open_groups * shards + 1) * _shard_numel(model, shape, shards)
     sharded = shape.world_size if shape.strategy in _SHARDS_WEIGHTS else 1
     optimizer_shards = shape.world_size if shape.strategy in _SHARDS_OPTIMIZER else 1
     activations = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype) if activations else 0
@@ -143,13 +168,14 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     layers = max(1, getattr(config, "num_hidden_layers", 1))
     return MemoryPlan(
         weights=math.ceil(weights / sharded),
-        gradients=trainable * _size(trainable_dtype),
+        gradients=(1 + shape.fold_queue_depth) * trainable * _size(trainable_dtype),
         optimizer=math.ceil(2 * trainable * _size(trainable_dtype) / optimizer_shards),
-        statistics=vectors * trainable * _size(statistics_dtype),
+        statistics=statistics * _size(statistics_dtype),
         activations=activations,
         activations_checkpointed=checkpointed,
         layer_recompute=math.ceil(max(0, activations - checkpointed) / layers),
         statistics_on_device=shape.statistics_device == "device",
+        statistics_shards=shards,
     )
 
 
@@ -207,6 +233,22 @@ def _lora_numel(model: torch.nn.Module, shape: LearnerShape) -> int:
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
     )
+
+
+def _shard_numel(model: torch.nn.Module, shape: LearnerShape, world_size: int) -> int:
+    """Values in one rank's shard of a statistic: ceil(rows / world) rows of every trainable tensor (FSDP2's chunk,
+    padded), LoRA's A (r × in) and B (out × r) included."""
+
+    def chunk(rows: int, row: int) -> int:
+        return math.ceil(rows / world_size) * row
+
+    if shape.lora_rank:
+        return sum(
+            chunk(shape.lora_rank, module.in_features) + chunk(module.out_features, shape.lora_rank)
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
+        )
+    return sum(chunk(p.shape[0], math.prod(p.shape[1:])) if p.dim() else 1 for p in model.parameters())
 
 
 def _readable(size: int) -> str:

@@ -29,6 +29,7 @@ from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajecto
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, PreparedEnvironment, close_prepared
 from tslightning.rollout.teacher import TeacherScorer
+from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.rollout.tool_threads import run_with_tool_threads
 
 
@@ -119,7 +120,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompts_per_update: int = 32,
         samples_per_prompt: int = 8,
         limits: AgentLimits | None = None,
-        teacher: TeacherScorer | None = None,
+        teacher: TeacherScorer | TeacherServer | None = None,
         run_seed: int = 0,
         updates: int | None = None,
         max_concurrent_attempts: int = 16,
@@ -136,7 +137,7 @@ class RolloutDataModule(L.LightningDataModule):
         if prompts_per_update < 1 or samples_per_prompt < 1:
             problems.append("prompts_per_update and samples_per_prompt must be >= 1")
         if self.objective is Objective.OPD and teacher is None:
-            problems.append("objective 'opd' needs a teacher (TeacherScorer) to score turns")
+            problems.append("objective 'opd' needs a teacher (TeacherScorer or TeacherServer) to score turns")
         if max_concurrent_attempts < 1:
             problems.append("max_concurrent_attempts must be >= 1")
         if cpus is not None and not cpus:

@@ -127,7 +127,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._expected = {name for name, _ in self.model.named_parameters()}
+        # A server with LoRA enabled wraps adapted layers (their weight is ``<layer>.base_layer.weight``) but loads
+        # and reports checkpoint names, as vLLM's own reload_weights counts them.
+        self._expected = {name.replace(".base_layer.", ".") for name, _ in self.model.named_parameters()}
         self._loaded = set()
         initialize_layerwise_reload(self.model)
 

@@ -27,6 +27,10 @@ BACKENDS = {"gloo": "tslightning_gloo", "nccl": "nccl"}
 """The server's ``--weight-transfer-config`` backend each ``rollout.server_transport`` needs."""
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``--max-lora-rank`` values vLLM 0.32 accepts."""
+
+
 def server_command(
     model: str,
     port: int,
@@ -37,13 +41,15 @@ def server_command(
     max_model_len: int = 4096,
     python: str = "python",
     extra: Sequence[str] = (),
+    lora_rank: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM server the ``vllm_server`` engine can use.
 
     ``python -m vllm.entrypoints.openai.api_server`` (vLLM's ``vllm serve`` entry point crashes with the CPU
     wheel), with the weight-sync routes, token-in/token-out generation, log-probs of the sampling distribution,
     prefix caching and the transport's weight-transfer backend. Add ``--kv-cache-memory-bytes`` (CPU) or
-    ``--tensor-parallel-size`` (GPUs) through ``extra``.
+    ``--tensor-parallel-size`` (GPUs) through ``extra``. ``lora_rank`` (a LoRA run's ``model.lora.r``): adapters at
+    runtime up to that rank (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), which LoRA runs publish.
     """
     backend = BACKENDS[transport]
     command = [
@@ -53,7 +59,12 @@ def server_command(
     ]  # fmt: skip
     if transport == "gloo":
         command += ["--worker-extension-cls", "tslightning.rollout.vllm_gloo_transfer.GlooTransferWorkerExtension"]
-    return command + list(extra), {"VLLM_SERVER_DEV_MODE": "1"}
+    environment = {"VLLM_SERVER_DEV_MODE": "1"}
+    if lora_rank is not None:
+        served = min((rank for rank in MAX_LORA_RANKS if rank >= lora_rank), default=lora_rank)
+        command += ["--enable-lora", "--max-lora-rank", str(served)]
+        environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    return command + list(extra), environment
 
 
 def url_problems(urls: Sequence[str] | None) -> list[str]:
@@ -73,8 +84,9 @@ def url_problems(urls: Sequence[str] | None) -> list[str]:
     return problems
 
 
-def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[str]:
-    """Each URL that does not answer ``GET /v1/models`` like a vLLM OpenAI-compatible server."""
+def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0, key: str = "rollout.server_urls") -> list[str]:
+    """Each URL that does not answer ``GET /v1/models`` like a vLLM OpenAI-compatible server (``key`` names the
+    setting in the message)."""
     import requests  # vLLM's dependency: the vllm_server engine needs vLLM installed
 
     problems = []
@@ -84,16 +96,26 @@ def reachability_problems(urls: Sequence[str], timeout_s: float = 10.0) -> list[
             served = response.json()["data"] if response.status_code == 200 else None
         except (requests.RequestException, ValueError, KeyError) as error:
             problems.append(
-                f"rollout.server_urls: {url} is unreachable ({type(error).__name__}); start a vLLM server there "
+                f"{key}: {url} is unreachable ({type(error).__name__}); start a vLLM server there "
                 "(README: Rollout servers) or fix the URL"
             )
             continue
         if not served:
             problems.append(
-                f"rollout.server_urls: {url} answered /v1/models with {response.status_code}, not a model "
+                f"{key}: {url} answered /v1/models with {response.status_code}, not a model "
                 "list: is it a vLLM OpenAI-compatible server?"
             )
     return problems
+
+
+def answers(url: str, timeout_s: float = 5.0) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` (a replica that died does not)."""
+    import requests
+
+    try:
+        return requests.get(f"{url.rstrip('/')}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 @dataclass(frozen=True)

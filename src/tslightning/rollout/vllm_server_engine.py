@@ -17,6 +17,16 @@ A server that stops answering is dropped: its requests are sent again to another
 so the same tokens; the failed attempt returned none, so no turn is counted twice or lost) and publications leave it
 out; when none is left the engine fails with :class:`~tslightning.rollout.engine.RolloutEngineError`.
 
+With a launcher (``replicas``, :mod:`tslightning.rollout.replica_launcher`) a dropped server is reported to it and
+restarted; a server that dies during a publication is dropped too and the publication completes on the others (with
+none left it fails). At each publication the engine asks the launcher which replicas serve: a restarted one (a new
+generation) is checked, joins a new transfer group and receives θ_k with the others; it serves again only once it
+acknowledged version k.
+
+A LoRA run (``adapter``) publishes the adapter, not merged weights
+(:mod:`tslightning.rollout.vllm_server_adapter`): each version's adapter is loaded under a versioned name, and every
+request of update k names θ_k's adapter as its ``model`` — the server's answer must name it too.
+
 At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
 group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
 does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
@@ -45,7 +55,21 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
-from tslightning.rollout.vllm_server_check import BACKENDS, PROBE_TEXT, Expected, server_problems, url_problems
+from tslightning.rollout.vllm_server_adapter import (
+    AdapterSpec,
+    adapter_name,
+    adapter_problems,
+    publish_adapter,
+    write_adapter,
+)
+from tslightning.rollout.vllm_server_check import (
+    BACKENDS,
+    PROBE_TEXT,
+    Expected,
+    answers,
+    server_problems,
+    url_problems,
+)
 
 __all__ = ["VLLMServerEngine"]
 
@@ -66,6 +90,11 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: The version θ_0 is published at.
         timeout_s: Seconds one request, one check or one publication step may take.
         max_connections: Requests in flight at once, over all servers.
+        replicas: The launcher that runs the servers (``urls`` are its URLs): told of each server that stopped
+            answering, asked at each publication which restarted ones to take back (see the module docstring); closed
+            with the engine. ``None``: the servers are the user's.
+        adapter: A LoRA run's adapter: :meth:`publish` then takes peft's adapter state dict and serves it under a
+            versioned name (the servers run with LoRA enabled); θ_0's base weights are still published at start.
     """
 
     def __init__(
@@ -79,6 +108,8 @@ class VLLMServerEngine(QueuedEngine):
         policy_version: int = 0,
         timeout_s: float = 600.0,
         max_connections: int = 64,
+        replicas: Any = None,
+        adapter: AdapterSpec | None = None,
     ) -> None:
         problems = url_problems(urls)
         if problems:
@@ -88,10 +119,15 @@ class VLLMServerEngine(QueuedEngine):
         self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
         self._context_tokens = context_tokens
         expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
+        self._expected, self._transport, self.replicas = expected, transport, replicas
+        self._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas is not None else {}
         problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
+        if adapter is not None:
+            problems += [problem for url in self.urls for problem in adapter_problems(url, adapter.r, timeout_s)]
         if problems:
             raise ValueError("; ".join(problems))
         self._policy_version, self._failure, self._closed = policy_version - 1, None, False
+        self.adapter, self._model = adapter, None  # the served adapter's name; None: the base model
         self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
         self._publishing, self._router = False, SessionRouter(len(self.urls))
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
@@ -104,43 +140,136 @@ class VLLMServerEngine(QueuedEngine):
             self.close()
             raise
 
+    @property
+    def publishes_adapter(self) -> bool:
+        """Whether :meth:`publish` takes a LoRA adapter's state dict (peft names) instead of full weights."""
+        return self.adapter is not None
+
     def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Install ``state_dict`` (HF names) on every server at ``policy_version``; returns after each acknowledged.
+        """Install ``state_dict`` on every server at ``policy_version``; returns after each acknowledged.
+
+        ``state_dict`` holds the full weights (HF names), or — when :attr:`publishes_adapter` — peft's adapter
+        state dict, written under ``adapter.directory`` and loaded as ``tslightning-policy-v<policy_version>``.
 
         Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
         sent to the new one.
 
-        Servers dropped after they stopped answering are left out (they would need θ_k before serving again).
+        Servers dropped after they stopped answering are left out (they would need θ_k before serving again); one
+        that stops answering during the publication is dropped and the others complete it. Replicas the launcher
+        restarted receive θ_k too and serve again once they acknowledged it.
 
         Raises:
             ValueError: If ``policy_version`` does not increase.
-            RolloutEngineError: If a server failed a step; the engine is then unusable (servers may disagree).
+            RolloutEngineError: If a server that still answers failed a step, or none acknowledged; the engine is then
+                unusable (servers may disagree).
         """
+        return self._publish(state_dict, policy_version, as_adapter=self.adapter is not None)
+
+    def _publish(self, state: Mapping[str, torch.Tensor], policy_version: int, as_adapter: bool) -> PublishReceipt:
         start = time.perf_counter()
         with self._gate:
             self._check_next_version(policy_version)
             self._publishing = True
             self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
-            for server in list(self._router.alive):
-                url, transport = self.urls[server], self._transports[server]
-                try:
-                    transport.publish(state_dict, policy_version)
-                except Exception as error:
-                    self._failure = (
-                        f"Publishing policy version {policy_version} to {url} failed ({error}); the servers may now "
-                        "serve different weights: close this engine, restart the servers and resume from a checkpoint."
-                    )
-                    raise RolloutEngineError(self._failure) from error
+            path = write_adapter(self.adapter, state, policy_version) if as_adapter else None
+            previous = self._policy_version if self._model is not None else None
+            joining = self._join_restarted()
+            acknowledged = [
+                server
+                for server in sorted({*self._router.alive, *joining})
+                # a restarted replica holds no earlier adapter to unload
+                if self._publish_to(server, state, policy_version, path, None if server in joining else previous)
+            ]
+            if not acknowledged:
+                self._failure = (
+                    f"No vLLM server acknowledged policy version {policy_version}: every one stopped answering; "
+                    "restart them and resume from a checkpoint."
+                )
+                raise RolloutEngineError(self._failure)
+            with self._gate:
+                for server in joining:
+                    if server in acknowledged:
+                        self._router.readmit(server)
             self._policy_version = policy_version
+            self._model = None if path is None else adapter_name(policy_version)
         finally:
             with self._gate:
                 self._publishing = False
                 self._gate.notify_all()
         return PublishReceipt(policy_version, len(self._router.alive), time.perf_counter() - start)
 
+    def _publish_to(
+        self,
+        server: int,
+        state: Mapping[str, torch.Tensor],
+        policy_version: int,
+        adapter_path: Path | None,
+        previous: int | None,
+    ) -> bool:
+        """Publish to one server — ``state`` through its transport, or (``adapter_path``) the adapter written there,
+        unloading ``previous``'s — ``True`` once it acknowledged, ``False`` if it stopped answering (it is dropped).
+
+        Raises:
+            RolloutEngineError: If the server still answers but failed a step.
+        """
+        try:
+            if adapter_path is None:
+                self._transports[server].publish(state, policy_version)
+            else:
+                publish_adapter(self.urls[server], adapter_path, policy_version, previous, self._timeout_s)
+            return True
+        except Exception as error:
+            if not answers(self.urls[server]):  # died mid-update: the others complete it
+                self._lose(server)
+                return False
+            self._failure = (
+                f"Publishing policy version {policy_version} to {self.urls[server]} failed ({error}); the servers may "
+                "now serve different weights: close this engine, restart the servers and resume from a checkpoint."
+            )
+            raise RolloutEngineError(self._failure) from error
+
+    def _join_restarted(self) -> list[int]:
+        """The replicas the launcher restarted since they last served, each checked and in a new transfer group
+        (not yet in rotation: they serve once they acknowledged the publication under way)."""
+        joining: list[int] = []
+        serving = self.replicas.serving() if self.replicas is not None else {}
+        for server, (generation, url) in serving.items():
+            if self._generations.get(server) == generation:
+                continue
+            self._lose(server, report=False)  # the old server of this replica is gone
+            url = url.rstrip("/")
+            try:
+                problems = server_problems(url, self._expected, min(self._timeout_s, 60))
+                if self.adapter is not None:
+                    problems += adapter_problems(url, self.adapter.r, self._timeout_s)
+                if not problems:
+                    self._transports[server] = _join_transfer_groups([url], self._transport, self._timeout_s)[0]
+            except Exception as error:
+                if answers(url):
+                    raise RolloutEngineError(f"Restarted replica {server} ({url}) could not join: {error}") from error
+                self.replicas.lost(server)  # died again: the launcher restarts it once more
+                continue
+            if problems:
+                raise RolloutEngineError(f"Restarted replica {server} cannot serve: {'; '.join(problems)}")
+            self.urls[server], self._generations[server] = url, generation
+            joining.append(server)
+        return joining
+
+    def _lose(self, server: int, report: bool = True) -> None:
+        """Drop ``server`` from rotation, leave its transfer group and (``report``) have the launcher restart it."""
+        with self._gate:
+            self._router.drop(server)
+        try:
+            self._transports[server].close()
+        except Exception:  # a server already gone has no group to leave
+            pass
+        if report and self.replicas is not None:
+            self.replicas.lost(server)
+
     def close(self) -> None:
-        """Fail queued requests, wait for those in flight, leave the servers' transfer groups. Idempotent."""
+        """Fail queued requests, wait for those in flight, leave the servers' transfer groups (and stop the
+        launcher's replicas). Idempotent."""
         with self._gate:
             if self._closed:
                 return
@@ -152,6 +281,8 @@ class VLLMServerEngine(QueuedEngine):
                 transport.close()
             except Exception:  # a server already gone has no group to leave
                 pass
+        if self.replicas is not None:
+            self.replicas.close()
 
     def _publish_checkpoint(self, policy_version: int) -> None:
         from safetensors.torch import load_file
@@ -162,7 +293,7 @@ class VLLMServerEngine(QueuedEngine):
         if not state:
             raise ValueError(f"{self._policy_dir} holds no *.safetensors weights to publish as θ_0")
         try:
-            self.publish(state, policy_version)
+            self._publish(state, policy_version, as_adapter=False)  # a LoRA run's base weights, too
         except RolloutEngineError as error:
             raise ValueError(
                 f"rollout.server_urls: publishing θ_0 from {self._policy_dir} failed — a server serves another "
@@ -184,16 +315,16 @@ class VLLMServerEngine(QueuedEngine):
             tickets = [None if self._publishing else self._ticket(request) for request in requests_]
             return [self._pool.submit(self._generate, r, t) for r, t in zip(requests_, tickets, strict=True)]
 
-    def _generate(self, request: GenerationRequest, ticket: tuple[int, int] | None) -> Generation:
+    def _generate(self, request: GenerationRequest, ticket: tuple[int, int, str | None] | None) -> Generation:
         """One request on its session's server, at the version current when it was sent (a pool thread). A server
         that stops answering is dropped and the request sent again to another (same seed, same version: the same
         tokens; the failed attempt returned none); with no server left the engine fails."""
         while True:
-            server, version = ticket or self._acquire(request)
+            server, version, model = ticket or self._acquire(request)
             ticket, start = None, time.perf_counter()
             try:
                 # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
-                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}")
+                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}", model)
                 answer = self._post(self.urls[server], body)
                 break
             except ServerGone as gone:
@@ -202,7 +333,7 @@ class VLLMServerEngine(QueuedEngine):
                 with self._gate:
                     self._router.done(server)
                     self._gate.notify_all()
-        generation = _generation(request, answer, version, self.urls[server])
+        generation = _generation(request, answer, version, model, self.urls[server])
         return Generation(
             generation.request_id,
             generation.token_ids,
@@ -216,20 +347,22 @@ class VLLMServerEngine(QueuedEngine):
         """Serve without ``server`` from now on; fail the engine when it was the last one."""
         with self._gate:
             self._router.drop(server)
+            if self.replicas is not None:
+                self.replicas.lost(server)
             if not self._router.alive:
                 self._failure = f"Every vLLM server stopped answering (last: {gone}): restart them and resume."
                 raise RolloutEngineError(self._failure) from None
 
-    def _acquire(self, request: GenerationRequest) -> tuple[int, int]:
+    def _acquire(self, request: GenerationRequest) -> tuple[int, int, str | None]:
         """Wait out a publication, then count the request in flight on its session's server."""
         with self._gate:
             self._gate.wait_for(lambda: not self._publishing or self._closed)
             self._raise_if_unusable()
             return self._ticket(request)
 
-    def _ticket(self, request: GenerationRequest) -> tuple[int, int]:
-        """(server, version) of a request counted in flight; call with the gate held."""
-        return self._router.send(request.session or request.request_id), self._policy_version
+    def _ticket(self, request: GenerationRequest) -> tuple[int, int, str | None]:
+        """(server, version, adapter name or None) of a request counted in flight; call with the gate held."""
+        return self._router.send(request.session or request.request_id), self._policy_version, self._model
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         session = getattr(self._local, "session", None)
@@ -280,13 +413,20 @@ class SessionRouter:
         if server in self.alive:
             self.alive.remove(server)
 
+    def readmit(self, server: int) -> None:
+        """``server`` serves again (a restarted replica that acknowledged the current version)."""
+        if server not in self.alive:
+            self.alive.append(server)
+            self.alive.sort()
+
 
 class ServerGone(RolloutEngineError):
     """A server stopped answering (connection refused, reset or timed out)."""
 
 
-def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any]:
+def _generate_body(request: GenerationRequest, request_id: str, model: str | None = None) -> dict[str, Any]:
     return {
+        **({} if model is None else {"model": model}),  # the adapter of the request's version
         "request_id": request_id,
         "token_ids": list(request.prompt_token_ids),
         "sampling_params": {
@@ -303,8 +443,16 @@ def _generate_body(request: GenerationRequest, request_id: str) -> dict[str, Any
     }
 
 
-def _generation(request: GenerationRequest, answer: dict[str, Any], version: int, url: str) -> Generation:
-    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version``."""
+def _generation(
+    request: GenerationRequest, answer: dict[str, Any], version: int, model: str | None, url: str
+) -> Generation:
+    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version`` (with the adapter
+    ``model``, when one is served)."""
+    if model is not None and answer.get("model") != model:
+        raise RolloutEngineError(
+            f"vLLM server {url} sampled {request.request_id!r} with {answer.get('model')!r}, but the engine had "
+            f"published adapter {model!r} (version {version}): refusing tokens of another policy"
+        )
     choice = answer["choices"][0]
     ids = tuple(choice["token_ids"])
     spans = choice.get("weight_versions") or []

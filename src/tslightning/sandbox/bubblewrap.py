@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
-from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, kernel_limits
+from tslightning.sandbox.base import BASE_ENVIRONMENT, DEFAULT_PATH, Sandbox, kernel_limits
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.file_tree import chown_tree
 from tslightning.sandbox.limits import SandboxLimits
@@ -59,6 +59,7 @@ GUARDED_BIN = f"{RUN_DIR}/bin"
 unreadable executable is not dumpable, so the verifier's shells cannot be traced nor their memory written through
 ``/proc/PID/mem`` by the agent's code they run (this machine has no Yama ptrace restriction)."""
 
+BASE_HOME = BASE_ENVIRONMENT["HOME"]
 _SYSTEM_PATHS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _INIT_FILES = ("init_process.py", "file_tree.py", "session_init.py")
@@ -109,6 +110,11 @@ class BubblewrapSandbox(Sandbox):
         """Agent commands share the host's network (a task that allows the internet, where the trainer allows)."""
         self.verifier_network = False
         """Verifier runs share the host's network."""
+        self.identity: tuple[int, int] = (0, 0)
+        """``(uid, gid)`` the agent's commands run as inside (an image's ``USER``; verifier runs stay root). Not
+        root: ``/app`` keeps the ownership its files were given (the image's), rather than all the sandbox's."""
+        self.home: str | None = None
+        """``HOME`` of the agent's commands in place of the default ``/tmp`` (the image ``USER``'s home)."""
         _check_namespaces(bwrap, self._host_uid)
 
     def network_for(self, verifier: bool) -> bool:
@@ -121,9 +127,14 @@ class BubblewrapSandbox(Sandbox):
         """The Python that runs the sandbox's init: the root's, or the host's (see :func:`_interpreter`)."""
         return self.root.interpreter if self.root is not None else _interpreter()
 
-    def use_root(self, root: RootFilesystem) -> None:
+    @property
+    def host_uid(self) -> int | None:
+        """The host uid the sandbox runs as (the trainer is root), else None (the trainer's own)."""
+        return self._host_uid
+
+    def use_root(self, root: RootFilesystem, owned: bool = False) -> None:
         """Run every later command in ``root`` instead of the host's system (a task's built environment); its
-        writable copies are handed to the sandbox's uid.
+        writable copies are handed to the sandbox's uid, unless ``owned`` (the caller gave them their owners).
 
         Raises:
             ValueError: the root lacks what the sandbox needs (the message names each path).
@@ -131,7 +142,7 @@ class BubblewrapSandbox(Sandbox):
         problems = root.problems()
         if problems:
             raise ValueError(f"root filesystem {root.path} cannot host the sandbox: {'; '.join(problems)}")
-        if self._host_uid is not None:
+        if self._host_uid is not None and not owned:
             for host in root.writable.values():
                 chown_tree(Path(host), self._host_uid, self._host_uid)
         self.root = root
@@ -148,14 +159,40 @@ class BubblewrapSandbox(Sandbox):
         verifier: bool = False,
     ) -> Launch:
         if self._host_uid is not None:
-            _hand_over(self.attempt, mounts, self._host_uid)
+            _hand_over(self.attempt, mounts, self._host_uid, self.kept_owners(verifier))
         _unlock_mount_points(self.attempt, mounts)
+        return self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier)
+
+    def agent_env(self, env: Mapping[str, str], verifier: bool = False) -> dict[str, str]:
+        """``env`` with :attr:`home` as ``HOME`` for the agent's commands, unless the task set another."""
+        if verifier or self.home is None or env.get("HOME", BASE_HOME) != BASE_HOME:
+            return dict(env)
+        return {**env, "HOME": self.home}
+
+    def kept_owners(self, verifier: bool = False) -> tuple[Mount, ...]:
+        """Mounts whose files keep their owners at hand-over: ``/tests`` (read-only), and ``/app`` when the agent
+        runs as an image's non-root user (root's files stay root's)."""
+        return ("tests", "app") if self.identity != (0, 0) else ("tests",)
+
+    def _bwrap_launch(
+        self,
+        command: str,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        ready_fd: int,
+        verifier: bool,
+        joined_network: bool = False,
+    ) -> Launch:
+        """The launch of one command in fresh namespaces, once its directories are handed over (see ``_options``
+        for ``joined_network``)."""
         passed = _Descriptors()
         status_read, status_write = os.pipe()
         passed.fds.append(status_write)
         try:
             config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
-            options = self._options(limits, mounts, cwd, env, verifier, passed)
+            options = self._options(limits, mounts, cwd, env, verifier, passed, joined_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
             # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
@@ -179,14 +216,20 @@ class BubblewrapSandbox(Sandbox):
         env: Mapping[str, str],
         verifier: bool,
         passed: _Descriptors,
+        joined_network: bool = False,
     ) -> list[str]:
-        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment."""
+        """bwrap's options: namespaces, binds, masks, filter, the init's files, environment. With
+        ``joined_network``, the sandbox stays in the network namespace bwrap is started in (one its launcher
+        entered: a live environment's)."""
         namespaces = list(_NAMESPACE_ARGS)
-        if self.network_for(verifier):
+        if not verifier and self.identity != (0, 0):
+            namespaces[1:5] = ["--uid", str(self.identity[0]), "--gid", str(self.identity[1])]
+        host_network = self.network_for(verifier) and not joined_network
+        if host_network or joined_network:
             namespaces.remove("--unshare-net")
         if self.root is not None:  # the init's files go on a tmpfs: a read-only root cannot hold new files
             options = [*namespaces, "--as-pid-1", *self.root.binds(), "--tmpfs", RUN_DIR]
-            if self.network_for(verifier) and os.path.exists("/etc/resolv.conf"):
+            if host_network and os.path.exists("/etc/resolv.conf"):
                 options += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
         else:
             options = [*namespaces, "--as-pid-1", *_system_binds(), *_interpreter_binds()]
@@ -205,7 +248,7 @@ class BubblewrapSandbox(Sandbox):
             options += ["--perms", "0111", "--ro-bind-data", passed.file(_bash()), f"{GUARDED_BIN}/bash"]
         # Read-only from here on: the empty root (no new top-level dirs) and /dev (device nodes stay usable).
         options += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-        for name, value in _command_env(env, verifier).items():
+        for name, value in _command_env(self.agent_env(env, verifier), verifier).items():
             options += ["--setenv", name, value]
         return options
 
@@ -346,8 +389,11 @@ def _bash() -> str:
     return os.path.realpath(shutil.which("bash", path=DEFAULT_PATH) or "/bin/bash")
 
 
-def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -> None:
-    """Give ``uid`` ownership of the writable mounted directories (and the attempt root's path down to them).
+def _hand_over(
+    attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int, kept: tuple[Mount, ...] = ("tests",)
+) -> None:
+    """Give ``uid`` ownership of the writable mounted directories (and the attempt root's path down to them), but
+    not of the ``kept`` mounts' (their owners were set otherwise).
 
     Files the host adds to an attempt (the task's environment, a reference solution) are owned by the trainer's
     user; without this the sandbox, running as ``uid``, could read but not write them, unlike in a Docker task
@@ -364,21 +410,23 @@ def _hand_over(attempt: AttemptDirectory, mounts: tuple[Mount, ...], uid: int) -
             top = attempt.host_path(mount)
             for parent in (root, *(p for p in top.parents if root in p.parents)):
                 os.chown(parent, uid, uid, follow_symlinks=False)
-            if mount == "tests":
+            if mount in kept:
                 continue
             chown_tree(top, uid, uid)
     except OSError as error:
         raise SandboxError(f"could not hand the attempt's directories to uid {uid}: {error}") from error
 
 
-def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...]) -> None:
-    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again: a command may lock its own
-    ``/app`` (``chmod 000 /app``), and bwrap could then not even enter it for the next command."""
+def _unlock_mount_points(attempt: AttemptDirectory, mounts: tuple[Mount, ...], also: int = 0) -> None:
+    """Give the sandbox's uid (their owner) ``rwx`` on the mounted directories again, and the ``also`` mode bits (a
+    verifier beside a live environment: its group's): a command may lock its own ``/app`` (``chmod 000 /app``), and
+    bwrap could then not even enter it for the next command."""
+    wanted = stat.S_IRWXU | also
     for mount in mounts:
         top = attempt.host_path(mount)
         mode = stat.S_IMODE(os.lstat(top).st_mode)
-        if mode & stat.S_IRWXU != stat.S_IRWXU:
-            os.chmod(top, mode | stat.S_IRWXU)
+        if mode & wanted != wanted:
+            os.chmod(top, mode | wanted)
 
 
 @functools.cache

@@ -25,9 +25,11 @@ import subprocess
 import uuid
 import weakref
 from collections.abc import Collection, Mapping
+from pathlib import Path
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
 from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, limits_script
+from tslightning.sandbox.compose import compose_argv, compose_available, compose_override
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.result import CommandResult
@@ -77,6 +79,9 @@ class ContainerSandbox(Sandbox):
         self.start_command = start_command
         self.workdir = workdir
         self.name = f"tsl-attempt-{uuid.uuid4().hex[:16]}"
+        self.compose_file: Path | None = None
+        """The task's compose file, when it has helper containers: the attempt then runs them all with
+        ``compose`` (:mod:`~tslightning.sandbox.compose`), its commands in the ``main`` service."""
         self.started = False
         self._commands = 0
 
@@ -129,6 +134,9 @@ class ContainerSandbox(Sandbox):
         )
 
     def _start(self, limits: SandboxLimits) -> None:
+        if self.compose_file is not None:
+            self._start_compose(limits)
+            return
         argv = [self.cli, "run", "--detach", "--name", self.name, "--init"]
         argv += ["--network", "bridge" if self.network else "none", "--cap-drop", "NET_RAW"]
         argv += ["--security-opt", "no-new-privileges"]
@@ -140,6 +148,29 @@ class ContainerSandbox(Sandbox):
         self.started = True
         try:
             self._engine(*argv[1:])
+            if self.start_command:
+                start = ["exec", "--detach", "--workdir", self.workdir, self.name, "/bin/sh", "-c", self.start_command]
+                self._engine(*start)
+        except BaseException:
+            self.close()
+            raise
+
+    def _compose_files(self) -> tuple[Path, Path]:
+        return self.compose_file, self.attempt.root / ".tsl-compose-override.json"
+
+    def _start_compose(self, limits: SandboxLimits) -> None:
+        """Start every service of the task's compose file, ``main`` overridden (see :mod:`compose`)."""
+        if not compose_available(self.cli):
+            raise SandboxUnavailableError(
+                f"task needs helper containers ({self.compose_file.name}), and `{self.cli} compose` is not available:"
+                " install the compose plugin, or leave the task out (tasks validate: needs helper container)"
+            )
+        files = self._compose_files()
+        files[1].write_text(compose_override(self.name, self.image, limits, self.cpus, self.network))
+        _RUNNING.add(self)
+        self.started = True
+        try:
+            self._engine(*compose_argv(self.cli, self.name, files, "up", "--detach")[1:])
             if self.start_command:
                 start = ["exec", "--detach", "--workdir", self.workdir, self.name, "/bin/sh", "-c", self.start_command]
                 self._engine(*start)
@@ -181,13 +212,18 @@ class ContainerSandbox(Sandbox):
         return done.stdout
 
     def close(self) -> None:
-        """Remove the attempt's container (``rm -f``, whatever runs in it); idempotent."""
+        """Remove the attempt's container (``rm -f``, whatever runs in it; a compose project: ``down``);
+        idempotent."""
         if not self.started:
             return
         self.started = False
         _RUNNING.discard(self)
+        argv = [self.cli, "rm", "-f", self.name]
+        if self.compose_file is not None:
+            down = ("down", "--volumes", "--remove-orphans", "--timeout", "0")
+            argv = compose_argv(self.cli, self.name, self._compose_files(), *down)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run([self.cli, "rm", "-f", self.name], capture_output=True, timeout=CONTROL_TIMEOUT_S)
+            subprocess.run(argv, capture_output=True, timeout=CONTROL_TIMEOUT_S)
 
 
 def engine_environment() -> dict[str, str]:

@@ -11,10 +11,13 @@ and waits for the command's exit code, so output bounds, time-outs and results a
 backend. A killed client (time-out, output flood) makes pid 1 kill the command's process group.
 
 What each command sees: ``/app`` (writable) and ``/oracle`` (read-only; the reference solution, when one runs).
-A verifier run (``verifier=True``, or mounts beyond those two) first ends the environment, killing everything the
-agent left running, then runs in a fresh per-command sandbox with every protection of verifier runs (orphans killed,
-untraceable shell, ptrace refused), with ``/tests`` copied in only then. :meth:`close` (the attempt's end) ends it too;
-bwrap's ``--die-with-parent`` ends it if the trainer dies.
+A verifier run (``verifier=True``, or mounts beyond those two) runs while the agent's processes are still alive, as
+in Harbor: a fresh sandbox beside the environment, in its network namespace and on its files, under another host uid
+and in namespaces of its own (:mod:`~tslightning.sandbox.live_verification`), with ``/tests`` copied in only then;
+the environment ends when it returns, before its reward files are read. Where that cannot be (the trainer is not
+root, so there is no second uid to run it as; ``nsenter`` or ``setpriv`` missing; the environment is not running),
+the environment ends first and the verifier runs in a fresh per-command sandbox. :meth:`close` (the attempt's end)
+ends it too; bwrap's ``--die-with-parent`` ends it if the trainer dies.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import replace
 
-from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount, validate_mounts
 from tslightning.sandbox.base import DEFAULT_PATH, command_environment, kernel_limits
 from tslightning.sandbox.bubblewrap import (
     DEFAULT_UNPRIVILEGED_UID,
@@ -41,6 +45,8 @@ from tslightning.sandbox.bubblewrap import (
 )
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
+from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, hand_over_to_verifier
+from tslightning.sandbox.result import CommandResult
 from tslightning.sandbox.supervision import Launch
 
 LIVE_MOUNTS: tuple[Mount, ...] = ("app", "oracle")
@@ -69,9 +75,11 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         limits: the default limits of every ``run``; the environment's memory, disk and ``/tmp`` size are those of
             the first command's limits.
         unprivileged_uid: host uid of the sandbox when the trainer is root.
+        verifier_uid: host uid of verifier runs beside the environment (when the trainer is root).
 
     Raises:
         SandboxUnavailableError: as :class:`BubblewrapSandbox`.
+        ValueError: ``verifier_uid`` is not a positive uid other than ``unprivileged_uid``.
     """
 
     read_only_mounts: tuple[Mount, ...] = ("tests", "oracle")
@@ -82,14 +90,20 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         *,
         limits: SandboxLimits | None = None,
         unprivileged_uid: int = DEFAULT_UNPRIVILEGED_UID,
+        verifier_uid: int = DEFAULT_VERIFIER_UID,
     ) -> None:
+        if verifier_uid <= 0 or verifier_uid == unprivileged_uid:
+            raise ValueError(f"verifier_uid must be > 0 and differ from unprivileged_uid (got {verifier_uid})")
         super().__init__(attempt, limits=limits, unprivileged_uid=unprivileged_uid)
+        self.verifier_uid = verifier_uid
+        self._netns: int | None = None
+        """The environment's network namespace, open (a verifier beside it enters it)."""
         self._keeper: subprocess.Popen[bytes] | None = None
         self._control: socket.socket | None = None
         self._keeper_log = None
         self._keeper_pid: int | None = None
         """Host pid of the environment's pid 1 (bwrap's child)."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a failed start ends the environment under the lock
         self.starts = 0
         """How many times the environment was started (a verifier run ends it; the next agent command restarts)."""
         self.startup: tuple[str, str, Mapping[str, str]] | None = None
@@ -112,13 +126,70 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         verifier: bool = False,
     ) -> Launch:
         if verifier or not set(mounts) <= set(LIVE_MOUNTS):
-            self.end()  # nothing the agent left running outlives into a verifier run
+            with self._lock:
+                beside = self._launch_beside(command, limits, mounts, cwd, env, ready_fd, verifier)
+            if beside is not None:
+                return beside
+            self.end()  # nothing the agent left running outlives into a per-command verifier run
             return super()._launch(
                 command, limits=limits, mounts=mounts, cwd=cwd, env=env, ready_fd=ready_fd, verifier=verifier
             )
         with self._lock:
             self._ensure_live(limits)
             return self._request(command, limits, cwd, env, ready_fd)
+
+    def run(
+        self,
+        command: str,
+        *,
+        limits: SandboxLimits | None = None,
+        mounts: Collection[Mount] = ("app",),
+        cwd: str = "/app",
+        env: Mapping[str, str] | None = None,
+        verifier: bool = False,
+    ) -> CommandResult:
+        """As :meth:`Sandbox.run`; a verifier run (``verifier=True`` or mounts beyond :data:`LIVE_MOUNTS`) runs
+        beside the environment and ends it when it returns (see the module docstring)."""
+        try:
+            ends = verifier or not set(validate_mounts(mounts)) <= set(LIVE_MOUNTS)
+        except ValueError:
+            ends = False  # the run itself raises the message
+        try:
+            return super().run(command, limits=limits, mounts=mounts, cwd=cwd, env=env, verifier=verifier)
+        except SandboxError:
+            if not (ends and self.live):
+                raise
+            # Beside the environment it could not start (the agent locked its working directory, say): the
+            # environment ends and it runs as in a per-command sandbox, which any such sabotage only costs reward.
+            self.end()
+            return super().run(command, limits=limits, mounts=mounts, cwd=cwd, env=env, verifier=verifier)
+        finally:
+            if ends:
+                self.end()
+
+    def _launch_beside(
+        self,
+        command: str,
+        limits: SandboxLimits,
+        mounts: tuple[Mount, ...],
+        cwd: str,
+        env: Mapping[str, str],
+        ready_fd: int,
+        verifier: bool,
+    ) -> Launch | None:
+        """The launch of a verifier run beside the running environment, or None where it cannot run beside it."""
+        if self._host_uid is None or not self.live or self._netns is None:
+            return None
+        hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid, self.kept_owners())
+        _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
+        joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
+        launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
+        netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
+        agents = [self.attempt.host_path(mount) for mount in mounts if mount in LIVE_MOUNTS]
+        agents += list(self.root.writable.values()) if self.root is not None else []
+        argv = beside_argv(self.verifier_uid, self._host_uid, netns, agents, launch.argv)
+        pass_fds = (*launch.pass_fds, *([netns] if netns is not None else []))
+        return replace(launch, argv=argv, user=None, pass_fds=pass_fds)
 
     def start(self, limits: SandboxLimits | None = None) -> None:
         """Start the environment now (and its start-up command) rather than at the first command; idempotent.
@@ -131,7 +202,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
 
     def _ensure_live(self, limits: SandboxLimits) -> None:
         if self._host_uid is not None:
-            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid)
+            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid, self.kept_owners())
         _unlock_mount_points(self.attempt, LIVE_MOUNTS)
         if not self.live:
             self._start(limits)
@@ -139,7 +210,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
     def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
         self._pin_keeper()
         config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
-        config["env"] = dict(env)
+        config["env"] = self.agent_env(env)
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         request = _Descriptors()  # the configuration (any command length) travels in a memory file
         try:
@@ -187,7 +258,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                 command, cwd, env = self.startup
                 environment["startup"] = {
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
-                    "env": command_environment(env),
+                    "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
             options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
@@ -227,6 +298,10 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             self.end()
             raise SandboxError(f"the attempt's live environment did not start: {log or 'no output'}")
         self._keeper_pid = _first_child(self._keeper.pid)
+        try:
+            self._netns = os.open(f"/proc/{self._keeper_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, TypeError):
+            self._netns = None  # a verifier then runs after the environment ended
 
     def _log_tail(self) -> str:
         if self._keeper_log is None:
@@ -238,8 +313,10 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         """End the environment: every process in it is killed (its pid 1 exits). Idempotent; the next agent command
         starts a fresh one (files under ``/app`` stay)."""
         with self._lock:
-            keeper, control, log = self._keeper, self._control, self._keeper_log
-            self._keeper = self._control = self._keeper_log = self._keeper_pid = None
+            keeper, control, log, netns = self._keeper, self._control, self._keeper_log, self._netns
+            self._keeper = self._control = self._keeper_log = self._keeper_pid = self._netns = None
+        if netns is not None:
+            os.close(netns)
         if control is not None:
             control.close()  # pid 1 reads EOF and exits; the kernel kills the rest of the namespace
         if keeper is not None:

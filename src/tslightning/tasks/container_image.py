@@ -53,9 +53,12 @@ def container_image(task: TerminalTask, cli: str) -> str:
 
 
 def prepare_container(task: TerminalTask, sandbox: ContainerSandbox, allow_internet: bool) -> None:
-    """Point ``sandbox`` at ``task``'s image, start-up command, working directory, CPUs and network."""
+    """Point ``sandbox`` at ``task``'s image, start-up command, working directory, CPUs, network and, for a task
+    with helper containers, its compose file."""
     sandbox.image = container_image(task, sandbox.cli)
     sandbox.start_command = task.needs.start_command
     sandbox.workdir = task.workdir
     sandbox.cpus = float(task.environment.cpus)
     sandbox.network = allow_internet and task.environment.network == "public"
+    if task.needs.status == "needs helper container" and task.compose_file is not None:
+        sandbox.compose_file = task.compose_file  # its helper services run with compose

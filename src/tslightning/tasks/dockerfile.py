@@ -63,6 +63,19 @@ class Instruction:
             return shlex.join(self.exec_form)
         return self.arguments
 
+    @property
+    def run_script(self) -> str:
+        """What a ``RUN`` hands its shell, as BuildKit does: a leading heredoc (``RUN <<EOF``) is the script itself;
+        heredocs a command reads (``RUN python3 - <<'EOF'``) stay in the script, each body and its closing line
+        after the command line, so the command reads the body on its stdin."""
+        if self.arguments.startswith("<<") and self.heredocs:
+            return self.heredocs[0]
+        terminators = [match.group(3) for match in _HEREDOC.finditer(self.arguments)]
+        if self.exec_form is not None or not terminators:
+            return self.shell_command
+        bodies = zip(self.heredocs, terminators, strict=True)
+        return self.arguments + "\n" + "".join(f"{body}{end}\n" for body, end in bodies)
+
 
 @dataclass(frozen=True)
 class Dockerfile:

@@ -5,18 +5,22 @@ A task whose environment needs a build (:mod:`~tslightning.tasks.environment_nee
 :func:`~tslightning.tasks.image_lite.build_image` (cached by content hash, so every attempt after the first finds
 it). Each attempt then sees the image's root read-only, its own copies of the image's ``/app``, working directory,
 ``/root``, ``/home`` and ``/var/tmp`` writable, and the image's ``CMD`` started in the background when the
-environment starts (see :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`).
+environment starts (see :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox`). An image with a
+non-root ``USER`` runs the agent's commands and ``CMD`` as that user, the copies keeping the image's owners
+(:mod:`~tslightning.tasks.image_user`).
 """
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import Literal
 
 from tslightning.sandbox import AttemptDirectory, BubblewrapSandbox, LiveBubblewrapSandbox, Sandbox
 from tslightning.sandbox.errors import SandboxUnavailableError
 from tslightning.sandbox.root_filesystem import RootFilesystem
 from tslightning.tasks.image_lite import WRITABLE, ImageLite, build_image
+from tslightning.tasks.image_user import ROOT_IDS, carry_ownership, home_of
 from tslightning.tasks.terminal_task import TerminalTask
 
 APP = "/app"
@@ -49,13 +53,42 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
     if image_app.is_dir():
         shutil.copytree(image_app, attempt.app, symlinks=True, dirs_exist_ok=True)
     writable = {}
-    for inside in dict.fromkeys([task.workdir, *WRITABLE]):
+    candidates = list(dict.fromkeys([task.workdir, *WRITABLE]))
+    for inside in candidates:
         source = image.rootfs / inside.lstrip("/")
         if inside in ("/", APP) or inside.startswith(f"{APP}/") or not source.is_dir():
             continue
+        if any(inside.startswith(f"{other.rstrip('/')}/") for other in candidates if other != "/"):
+            continue  # inside another copy (a working directory under /home): that copy holds it
         host = attempt.root / "image-rw" / inside.lstrip("/")
         shutil.copytree(source, host, symlinks=True)
         writable[inside] = host
-    sandbox.use_root(RootFilesystem(image.rootfs, writable))
+    owned = (image.uid, image.gid) != ROOT_IDS
+    if owned:
+        _enter_as_user(image, task, sandbox, [(image_app, attempt.app), *_sources(image, writable)])
+    sandbox.use_root(RootFilesystem(image.rootfs, writable), owned=owned)
     if image.start_command and isinstance(sandbox, LiveBubblewrapSandbox):
         sandbox.startup = (image.start_command, task.workdir, task.command_env)
+
+
+def _enter_as_user(image: ImageLite, task: TerminalTask, sandbox: BubblewrapSandbox, copies) -> None:
+    """Run the agent's commands as the image's ``USER``, its files in the attempt's copies its own
+    (:mod:`~tslightning.tasks.image_user`).
+
+    Raises:
+        SandboxUnavailableError: the trainer is not root (the copies cannot keep the image's owners).
+    """
+    if sandbox.host_uid is None:
+        raise SandboxUnavailableError(
+            f"task {task.name!r}: its image runs as USER {image.user}, which needs the trainer to run as root "
+            "(the attempt's files keep the image's owners)"
+        )
+    sandbox.identity = (image.uid, image.gid)
+    sandbox.home = home_of(image.rootfs, image.uid)
+    for source, copy in copies:
+        if source.is_dir():
+            carry_ownership(source, copy, sandbox.identity, sandbox.host_uid)
+
+
+def _sources(image: ImageLite, writable: dict[str, Path]) -> list[tuple[Path, Path]]:
+    return [(image.rootfs / inside.lstrip("/"), host) for inside, host in writable.items()]

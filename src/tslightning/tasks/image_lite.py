@@ -3,11 +3,14 @@
 The ``FROM`` image is mapped to a Debian root built from the package mirror with ``mmdebstrap`` (:func:`base_for`:
 ``python:3.X`` → the Debian suite with the nearest Python, plus pip, venv and ``python``; ``debian:<suite>``; and
 ``ubuntu:*`` → Debian trixie standing in, with ``python3`` added for the sandbox's init). Then the instructions run in
-order: ``RUN`` with ``/bin/sh -c`` in bubblewrap, as root of the build, with the network (only the package
-registries answer on these machines; a Dockerfile that fetches from elsewhere is refused before any build as
-``needs network at build``); ``COPY`` / ``ADD`` from ``environment/`` (files, directories, globs, local tar archives,
+order: ``RUN`` with ``/bin/sh -c`` in bubblewrap, as root of the build, with network to the package registries only
+(:mod:`~tslightning.tasks.build_network`: a proxy that refuses other hosts; a Dockerfile that visibly fetches from
+elsewhere is refused before any build, one that does it at run time fails as ``needs network at build``);
+``COPY`` / ``ADD`` from ``environment/`` (files, directories, globs, local tar archives,
 heredocs; ``--chown`` / ``--chmod``); ``WORKDIR`` created; ``ENV`` for the later ``RUN`` steps and the attempts;
-``CMD`` / ``ENTRYPOINT`` kept as the environment's start-up command. ``USER`` is recorded, but commands run as root.
+``CMD`` / ``ENTRYPOINT`` kept as the environment's start-up command; ``USER``: the later ``RUN`` steps run as that
+user (its uid and gid on the host: a user namespace of bwrap's mapping them to themselves), and so do the attempts'
+commands and ``CMD`` (:mod:`~tslightning.tasks.image_user`).
 
 Builds are cached by content hash (the mapped base, every instruction, every file of the build context) under
 ``images/`` of the cache directory (:func:`~tslightning.tasks.offline_toolchain.default_cache_dir`); the base roots
@@ -31,8 +34,10 @@ from pathlib import Path
 
 from tslightning.sandbox import BASE_ENVIRONMENT
 from tslightning.sandbox.root_filesystem import REQUIRED_DIRS
+from tslightning.tasks.build_network import PROXY_ENV, allowed_hosts, run_step
 from tslightning.tasks.dockerfile import Dockerfile, Instruction, env_pairs
 from tslightning.tasks.environment_needs import base_of
+from tslightning.tasks.image_user import ROOT_IDS, home_of, resolve_user
 from tslightning.tasks.offline_toolchain import default_cache_dir
 
 BUILDER_VERSION = "1"
@@ -46,7 +51,15 @@ _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 
 
 class ImageBuildError(RuntimeError):
-    """The image could not be built (the message names the Dockerfile line and the output's tail)."""
+    """The image could not be built (the message names the Dockerfile line and the output's tail).
+
+    Attributes:
+        needs: What the build needed that it could not have here (``needs network at build``), else ``None``.
+    """
+
+    def __init__(self, message: str, needs: str | None = None) -> None:
+        super().__init__(message)
+        self.needs = needs
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,9 @@ class ImageLite:
         env: ``ENV`` as the image ends with it.
         workdir: The last ``WORKDIR`` (``/`` when none).
         start_command: ``ENTRYPOINT`` + ``CMD`` as a shell command, or ``None``.
-        user: The last ``USER`` (recorded; commands run as root).
+        user: The last ``USER`` as written (``None``: root).
+        uid: That user's uid in the image (0 for root).
+        gid: Its gid.
         base: How the ``FROM`` image was mapped.
         build_s: Seconds the build took (0 when it came from the cache).
     """
@@ -83,6 +98,8 @@ class ImageLite:
     user: str | None
     base: str
     build_s: float = 0.0
+    uid: int = 0
+    gid: int = 0
 
 
 def builder_problem() -> str | None:
@@ -123,6 +140,8 @@ def image_key(dockerfile: Dockerfile, context: Path) -> str:
     for instruction in dockerfile.instructions:
         fields = (instruction.keyword, instruction.arguments, instruction.flags, instruction.heredocs)
         digest.update(repr(fields).encode())
+        if instruction.keyword == "USER":  # honoured since builder 1 + USER: not an image built before
+            digest.update(b"USER honoured")
     for path in sorted(context.rglob("*")):
         if path.is_file() and not path.is_symlink():
             digest.update(f"{path.relative_to(context)}|{path.stat().st_mode & 0o777}|".encode())
@@ -167,7 +186,7 @@ def _build(dockerfile, context, base, target, choice, started, deadline, log) ->
     building.mkdir(parents=True)
     rootfs = building / "rootfs"
     subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], check=True)
-    state = {"env": {}, "workdir": "/", "start": None, "user": None}
+    state = {"env": {}, "workdir": "/", "start": None, "user": None, "ids": ROOT_IDS}
     try:
         for instruction in dockerfile.instructions:
             _apply(instruction, rootfs, context, state, deadline, log)
@@ -184,6 +203,8 @@ def _build(dockerfile, context, base, target, choice, started, deadline, log) ->
         user=state["user"],
         base=choice.note,
         build_s=time.monotonic() - started,
+        uid=state["ids"][0],
+        gid=state["ids"][1],
     )
     manifest = {key: value for key, value in image.__dict__.items() if key != "rootfs"}
     (building / "image.json").write_text(json.dumps(manifest, indent=1))
@@ -203,7 +224,11 @@ def _apply(instruction: Instruction, rootfs: Path, context: Path, state: dict, d
     elif keyword in ("COPY", "ADD"):
         _copy(instruction, rootfs, context, state)
     elif keyword == "USER":
-        state["user"] = instruction.arguments
+        try:
+            state["ids"] = resolve_user(rootfs, instruction.arguments, instruction.line)
+        except ValueError as error:
+            raise ImageBuildError(str(error)) from error
+        state["user"] = instruction.arguments if state["ids"] != ROOT_IDS else None
     elif keyword in ("CMD", "ENTRYPOINT"):
         state["start_" + keyword.lower()] = instruction.shell_command
         parts = [state.get("start_entrypoint"), state.get("start_cmd")]
@@ -212,9 +237,10 @@ def _apply(instruction: Instruction, rootfs: Path, context: Path, state: dict, d
 
 
 def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, log) -> None:
-    """One ``RUN`` in bubblewrap over the image root, with the network (see the module docstring)."""
-    script = instruction.heredocs[0] if instruction.arguments.startswith("<<") else instruction.shell_command
-    env = {"PATH": BASE_ENVIRONMENT["PATH"], "HOME": "/root", "LANG": "C.UTF-8", **state["env"]}
+    """One ``RUN`` in bubblewrap over the image root, its network the package registries' only (see the module
+    docstring and :mod:`~tslightning.tasks.build_network`)."""
+    script = instruction.run_script
+    env = {"PATH": BASE_ENVIRONMENT["PATH"], "HOME": "/root", "LANG": "C.UTF-8", **state["env"], **PROXY_ENV}
     argv = [
         "bwrap",
         "--bind",
@@ -229,7 +255,10 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         "--tmpfs",
         "/tmp",
     ]
-    argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"] if os.path.exists("/etc/resolv.conf") else []
+    uid, gid = state["ids"]
+    if (uid, gid) != ROOT_IDS:  # as the USER: bwrap started as its host ids maps them to themselves
+        argv += ["--unshare-user", "--uid", str(uid), "--gid", str(gid)]
+        env["HOME"] = home_of(rootfs, uid)
     argv += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session"]
     argv += ["--chdir", state["workdir"], "--clearenv"]
     for name, value in env.items():
@@ -238,16 +267,22 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: the build ran past its build_timeout_sec")
+    user = {"user": uid, "group": gid, "extra_groups": []} if (uid, gid) != ROOT_IDS else {}
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=remaining)
+        code, output, refused = run_step(argv, state.setdefault("allowed", allowed_hosts(rootfs)), remaining, **user)
     except subprocess.TimeoutExpired as error:
         raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN ran past the build_timeout_sec") from error
-    output = done.stdout + done.stderr
     if log is not None:
         log.write(output)
-    if done.returncode != 0:
-        tail = output.decode("utf-8", "replace").strip()[-1500:]
-        raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {done.returncode}: {tail}")
+    tail = output.decode("utf-8", "replace").strip()[-1500:]
+    if refused:
+        raise ImageBuildError(
+            f"Dockerfile:{instruction.line}: needs network at build: RUN fetched from {', '.join(refused)} (only "
+            f"the package registries are reachable; exit status {code}): {tail}",
+            needs="needs network at build",
+        )
+    if code != 0:
+        raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {code}: {tail}")
 
 
 def _copy(instruction: Instruction, rootfs: Path, context: Path, state: dict) -> None:

@@ -42,7 +42,7 @@ APP = "/app"
 
 def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
     """A :data:`SandboxFactory` for a ``sandbox.backend`` name: one live environment per attempt where the backend
-    has one (every agent command in the same sandbox; what it leaves running stays until the verifier runs)."""
+    has one (every agent command in the same sandbox; what it leaves running stays until the verifier is done)."""
     return lambda attempt: make_sandbox(backend, attempt=attempt, live=True)
 
 

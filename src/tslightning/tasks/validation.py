@@ -15,6 +15,7 @@ host stands in) and each attempt's set-up time (opening the environment until th
 from __future__ import annotations
 
 import importlib.resources
+import shutil
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tslightning.sandbox import CommandResult
+from tslightning.sandbox.compose import compose_available
 from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
 from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
@@ -93,7 +95,7 @@ def validate_task(
     make_attempt_sandbox: SandboxFactory | None = None,
     reward_key: str = DEFAULT_REWARD_KEY,
     allow_internet: bool = False,
-    containers: bool = False,
+    containers: bool | str = False,
 ) -> TaskValidation:
     """Validate one task directory: load it, then score the no-op and the reference, each in a fresh attempt (a
     multi-step task: through all its steps, the reference running each step's solution).
@@ -104,7 +106,8 @@ def validate_task(
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
         reward_key: The named reward of ``reward.json`` read as the pass fraction.
         allow_internet: Let a task that allows the internet reach it (see ``TerminalTaskAttempt``).
-        containers: The attempts run in a container engine (which builds or pulls the images itself).
+        containers: The attempts run in a container engine (its name, or True for docker), which builds or pulls
+            the images itself and runs helper containers with compose.
     """
     factory = make_attempt_sandbox or sandbox_factory()
     try:
@@ -122,7 +125,7 @@ def validate_task(
         try:
             image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
         except ImageBuildError as error:
-            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",))
+            return TaskValidation(task.name, task.root, problems=(f"environment/{error}",), needs=error.needs)
         build_s = image.build_s if image.build_s else time.perf_counter() - started
     (noop, noop_setup), (reference, reference_setup) = (
         _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
@@ -139,20 +142,25 @@ def validate_task(
     )
 
 
-def unmet_needs(task: TerminalTask, containers: bool = False) -> tuple[str, tuple[str, ...]] | None:
+def unmet_needs(task: TerminalTask, containers: bool | str = False) -> tuple[str, tuple[str, ...]] | None:
     """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
 
     A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
     the Dockerfile needs the build). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs
     the network unless the offline toolchain is prepared (``tslightning tasks toolchain``). With ``containers`` (the
-    docker and podman backends) the engine builds or pulls every image; helper containers stay refused (compose is
-    not run).
+    docker and podman backends, named, or True for docker) the engine builds or pulls every image, and helper
+    containers run with compose where the engine has it (else ``needs helper container``).
     """
     needs = task.needs
     if containers:
         if needs.status != "needs helper container":
             return None
-        return needs.status, (*needs.reasons, "compose is not run by the container backends; leave the task out")
+        cli = shutil.which(containers if isinstance(containers, str) else "docker")
+        separate = any("environment_mode" in reason for reason in needs.reasons)
+        if task.compose_file is not None and not separate and cli is not None and compose_available(cli):
+            return None  # its helper services run with compose
+        why = "a verifier in a container of its own is not run" if separate else "`compose` is not available"
+        return needs.status, (*needs.reasons, f"{why} with the {containers} backend; leave the task out")
     fetch = fetches_toolchain(task.tests_dir) if find_toolchain() is None else None
     if needs.status == "host" and fetch is not None:
         reason = (
@@ -178,7 +186,7 @@ def validate_tasks(
     make_attempt_sandbox: SandboxFactory | None = None,
     reward_key: str = DEFAULT_REWARD_KEY,
     allow_internet: bool = False,
-    containers: bool = False,
+    containers: bool | str = False,
 ) -> list[TaskValidation]:
     """Validate every task under ``path`` (a task directory or a directory of them; default: the shipped library).
 

@@ -4,19 +4,25 @@ The verifier runs after the agent is done, in the same attempt directory: ``test
 agent never sees it), ``bash /tests/test.sh`` runs in the task's working directory with ``/app``, ``/tests`` and
 ``/logs/verifier`` visible and the task's ``[verifier] timeout_sec``, and the reward files it leaves in
 ``/logs/verifier`` are read (:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable
-reward file, scores 0 with a reason. In a live environment the verifier runs after it ended: nothing the agent left
-running survives into the verifier's run.
+reward file, scores 0 with a reason. In a live environment the verifier runs as in Harbor, while the agent's
+processes are still alive (a service it started answers on loopback), but beside them, not among them: its own PID
+and mount namespaces and host uid (:mod:`~tslightning.sandbox.live_verification`); the environment ends when the
+verifier returns, before the reward files are read.
 
 **Reward integrity.** A verifier may execute files the agent wrote (``python3 /app/stats.py``), as the same user, so
 code the agent wrote runs beside the verifier. Layer by layer, what keeps it from changing the reported reward:
 
 1. Each verification gets a fresh copy of the task's ``tests/``, bound read-only at ``/tests``, and a fresh, empty
-   ``/logs/verifier``: nothing left from an earlier run or written to the tests can count.
+   ``/logs/verifier``: nothing left from an earlier run or written to the tests can count. Beside a live
+   environment, both exist only in the verifier's mount namespace, the log directory belongs to the verifier's own
+   host uid (mode 0700), and the agent's processes still running can neither see, signal nor trace the verifier's
+   processes (another PID namespace and uid), nor reach them through ``/proc`` or an inherited descriptor.
 2. The run is a verifier run (``Sandbox.run(..., verifier=True)``): ``ptrace`` is refused and the verifier's shells
    are not dumpable (no tracing, no writes to their memory); ``prlimit`` on another process is refused (no failing
    the verifier's writes); a process orphaned while ``test.sh`` runs (one the agent's code left behind, racing the
    verifier's final write) is killed at once and the time it died is reported.
-3. The sandbox's whole PID namespace is gone before the reward files are read: no late writer survives.
+3. The sandbox's whole PID namespace is gone before the reward files are read, and so is the live environment's:
+   no late writer survives.
 4. ``test.sh`` ended by a signal (killed by the agent's code, or by a limit; as a shell reports it, exit status
    128 + N counts too) scores 0.
 5. The reward files must be what a plain write by the verifier leaves (regular files, one link, owner read/write,

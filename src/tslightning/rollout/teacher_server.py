@@ -1,0 +1,185 @@
+"""The OPD teacher as a vLLM server (``rollout.teacher_url``): frozen-teacher scoring (Eq. 8, App. D.3) over HTTP.
+
+:class:`TeacherServer` keeps :class:`~tslightning.rollout.teacher.TeacherScorer`'s contract — ``submit(token_ids,
+scored_mask)`` returns a future of the ``(|M|,)`` float32 log π_T of the scored tokens, in position order — so an
+OPD source becomes ready when the server answers. Each turn is one ``POST /inference/v1/generate`` of the student's
+exact token ids (token-in: never re-tokenized) asking for ``prompt_logprobs``: the server's log-probability of every
+prompt token under its causal prefix, read at the scored positions. The server's continuous batching batches turns;
+answers come back one by one.
+
+A teacher must share the student's tokenizer (token-level correspondence); it may have a larger (padded) vocabulary,
+not a smaller one. :func:`teacher_problems` checks both, and the token-in route, before training starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tslightning.rollout.vllm_server_check import PROBE_TEXT
+
+__all__ = ["TeacherServer", "teacher_problems"]
+
+KEY = "rollout.teacher_url"
+
+
+class TeacherServer:
+    """A frozen teacher served by a vLLM OpenAI-compatible server, scoring turns through prompt log-probs.
+
+    Args:
+        url: The server's base URL (``rollout.teacher_url``).
+        probe_ids: The student tokenizer's ids for :data:`~tslightning.rollout.vllm_server_check.PROBE_TEXT`.
+        vocab_size: The student's vocabulary size (its ``config.vocab_size``).
+        context_tokens: Longest turn (history and action) the teacher must score; ``None``: not checked.
+        timeout_s: Seconds one check or one scoring request may take.
+        max_connections: Turns scored at once (requests in flight).
+
+    Raises:
+        ValueError: One line per problem of :func:`teacher_problems` (nothing is scored).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        probe_ids: Sequence[int],
+        vocab_size: int,
+        *,
+        context_tokens: int | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 8,
+    ) -> None:
+        self.url = url.rstrip("/")
+        problems = teacher_problems(self.url, probe_ids, vocab_size, min(timeout_s, 60.0), context_tokens)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._timeout_s, self._closed = timeout_s, False
+        self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="teacher-server")
+        self._local = threading.local()
+        self._sent = itertools.count()
+
+    def submit(self, token_ids: torch.Tensor, scored_mask: torch.Tensor) -> Future[torch.Tensor]:
+        """Send one turn; resolves to ``(|M|,)`` float32 log π_T of its scored tokens, in position order.
+
+        Args:
+            token_ids: ``(T,)`` the turn's causal history and action, the student's ids.
+            scored_mask: ``(T,)`` bool, True on the tokens to score; position 0 is never scored.
+        """
+        if self._closed:
+            raise RuntimeError("TeacherServer is closed")
+        if bool(scored_mask[0]):
+            raise ValueError("scored_mask[0] is True: the first token has no prefix to be scored under")
+        ids = [int(token) for token in token_ids.tolist()]
+        positions = [int(p) for p in torch.nonzero(scored_mask, as_tuple=False).flatten().tolist()]
+        return self._pool.submit(self._score, ids, positions, f"teacher-{next(self._sent)}")
+
+    def score(self, token_ids: torch.Tensor, scored_mask: torch.Tensor) -> torch.Tensor:
+        """Blocking form of :meth:`submit`."""
+        return self.submit(token_ids, scored_mask).result()
+
+    def close(self) -> None:
+        """Finish the turns sent, then stop. Idempotent; the server keeps running (it is the user's)."""
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> TeacherServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _score(self, ids: list[int], positions: list[int], request_id: str) -> torch.Tensor:
+        import requests
+
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        try:
+            response = session.post(
+                f"{self.url}/inference/v1/generate", json=_score_body(ids, request_id), timeout=self._timeout_s
+            )
+        except requests.RequestException as error:
+            raise RuntimeError(f"{KEY} {self.url} stopped answering ({type(error).__name__}: {error})") from None
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{KEY} {self.url} refused to score a turn ({response.status_code}): {response.text[:300]}"
+            )
+        return scored_prompt_logprobs(response.json()["prompt_logprobs"], ids, positions)
+
+
+def scored_prompt_logprobs(entries: Sequence[Any], ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """``(len(positions),)`` float32: the log-prob vLLM reports for ``ids[p]`` at each scored position ``p``.
+
+    Raises:
+        RuntimeError: If the answer does not cover every position with its own token (another prompt was scored).
+    """
+    if len(entries) != len(ids):
+        raise RuntimeError(f"{KEY}: the teacher scored {len(entries)} prompt tokens, the turn has {len(ids)}")
+    scores = []
+    for position in positions:
+        entry = (entries[position] or {}).get(str(ids[position]))
+        if entry is None:
+            raise RuntimeError(f"{KEY}: the teacher's answer has no log-prob for token {ids[position]} at {position}")
+        scores.append(float(entry["logprob"]))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def teacher_problems(
+    url: str, probe_ids: Sequence[int], vocab_size: int, timeout_s: float = 30.0, context_tokens: int | None = None
+) -> list[str]:
+    """Everything that keeps ``url`` from scoring this student's turns (empty: it can), one line each: it answers,
+    its tokenizer encodes a probe as the student's does, it scores the student's highest token id, it offers the
+    token-in route, and it serves ``context_tokens`` (plus the one token each scoring request generates)."""
+    import requests
+
+    try:
+        served = requests.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]
+        tokens = requests.post(
+            f"{url}/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False}, timeout=timeout_s
+        ).json()["tokens"]
+        probe = _score_body([0, vocab_size - 1], "teacher-probe")
+        generate = requests.post(f"{url}/inference/v1/generate", json=probe, timeout=timeout_s)
+    except (requests.RequestException, ValueError, KeyError, IndexError) as error:
+        return [
+            f"{KEY}: {url} is unreachable or not a vLLM server ({type(error).__name__}); start the teacher's vLLM "
+            "server there (README: Rollout servers) or fix the URL"
+        ]
+    if list(tokens) != list(probe_ids):
+        return [
+            f"{KEY}: {url} serves a teacher with another tokenizer: it encodes a probe as {list(tokens)[:8]}..., the "
+            f"student as {list(probe_ids)[:8]}...; OPD needs the student's tokenizer (token-level correspondence)"
+        ]
+    if generate.status_code == 404:
+        return [f"{KEY}: {url} has no token-in route /inference/v1/generate: start it with --enable-scale-out"]
+    if generate.status_code != 200:
+        return [
+            f"{KEY}: {url} cannot score the student's token id {vocab_size - 1} (its vocabulary is smaller than the "
+            f"student's {vocab_size}): {generate.text[:200]}"
+        ]
+    if context_tokens is not None and int(served.get("max_model_len") or 0) < context_tokens + 1:
+        return [
+            f"{KEY}: {url} serves {served.get('max_model_len')} tokens of context, the student's turns reach "
+            f"{context_tokens} (+1 generated per scoring request): start it with --max-model-len "
+            f"{context_tokens + 1} or lower rollout.max_context_tokens to {int(served.get('max_model_len') or 1) - 1}"
+        ]
+    return []
+
+
+def _score_body(ids: list[int], request_id: str) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "token_ids": ids,
+        "sampling_params": {
+            "max_tokens": 1,  # the prompt's log-probs are the answer; one token must still be generated
+            "prompt_logprobs": 0,  # just the prompt token's own log-prob at each position
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "detokenize": False,
+        },
+    }

@@ -1,0 +1,120 @@
+"""GRPO statistics sharded like FSDP2's parameters (``shard_statistics``), 2 CPU ranks over gloo, float64.
+
+One launch of ``multirank_cases.py`` under ``fsdp`` runs the whole-statistics FSDP2 update and the sharded one for
+each advantage estimator, on a policy whose MLP width (255) makes FSDP2 pad its shards; each rank streams its share
+in its own random order. The references are the whole-statistics run and the single-process sync replay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from multirank_cases import make_policy, run_case
+from test_multirank import _launch, _load, _rel
+
+from tslightning.core.batch_registry import BatchPlan
+from tslightning.learner.streaming_module import StreamingPolicyModule
+
+ESTIMATORS = ["grpo", "grpo_sample", "dr_grpo", "rloo"]
+SHARDED = [f"grpo-thundersync-sharded-odd-{e}" for e in ESTIMATORS] + [
+    "grpo-sync-sharded-odd-grpo",
+    "grpo-thundersync-sharded-odd-cap1-grpo",
+]
+WHOLE = "grpo-thundersync-odd-grpo"
+WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
+"""Whole statistics under lock-step with an admission cap: a released group closes after its queued folds."""
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    done = _launch(out, "fsdp", WHOLE, WHOLE_CAPPED, *SHARDED, "fail-pass-sharded", timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def _shard_numel(world_size: int) -> tuple[int, int]:
+    """(values per rank's shard, padding over all ranks) of the odd policy, from torch.chunk as FSDP2 splits."""
+    shard, padding = 0, 0
+    for p in make_policy(torch.float64, 255).parameters():
+        rows, row = p.shape[0], p[0].numel()
+        chunk = math.ceil(rows / world_size)
+        shard += chunk * row
+        padding += (chunk * world_size - rows) * row
+    return shard, padding
+
+
+def _replay(case: str) -> dict:
+    """The single-process sync replay with the case's estimator."""
+    return run_case(f"grpo-sync-odd-{case.rsplit('-', 1)[1]}", None, torch.float64)
+
+
+@pytest.mark.parametrize("case", [*SHARDED, WHOLE_CAPPED])
+def test_the_update_equals_the_sync_replay(fsdp_run, case):
+    """Sharded statistics (every estimator, sync too, under a cap) and whole ones under a cap: the sync replay."""
+    ranks = [_load(fsdp_run, "fsdp", case, r) for r in (0, 1)]
+    replay = _replay(case)
+    for k in range(len(replay["directions"])):
+        for record in ranks:  # the shards every rank gathered: the whole g_k
+            assert record["directions"][k].abs().sum() > 0
+            assert _rel(record["directions"][k], replay["directions"][k]) <= 1e-10
+        assert torch.equal(ranks[0]["thetas"][k], ranks[1]["thetas"][k])
+        moved = (replay["thetas"][k] - replay["theta0"]).norm()
+        assert moved > 0
+        assert float((ranks[0]["thetas"][k] - replay["thetas"][k]).norm() / moved) <= 1e-10
+    if "thundersync" in case:
+        assert sum(idle for r in ranks for _, idle, _ in r["lockstep"]) > 0  # exchanges paired with idle passes
+
+
+def test_sharded_statistics_give_the_whole_statistics_fsdp2_update(fsdp_run):
+    whole = _load(fsdp_run, "fsdp", WHOLE, 0)
+    sharded = _load(fsdp_run, "fsdp", "grpo-thundersync-sharded-odd-grpo", 0)
+    for k in range(len(whole["directions"])):
+        assert _rel(sharded["directions"][k], whole["directions"][k]) <= 1e-10
+        moved = (whole["thetas"][k] - whole["theta0"]).norm()
+        assert float((sharded["thetas"][k] - whole["thetas"][k]).norm() / moved) <= 1e-10
+
+
+def test_each_rank_holds_its_shard_of_every_statistic(fsdp_run):
+    """Held values, from the accumulator's own accounting: (2·open + 1) shards of numel/world (+ FSDP2's padding)."""
+    shard, padding = _shard_numel(2)
+    assert padding > 0  # the odd MLP width pads (gate and up projections: 255 rows on 2 ranks)
+    whole = [_load(fsdp_run, "fsdp", WHOLE, r) for r in (0, 1)]
+    for case in SHARDED:
+        for rank in (0, 1):
+            for k, (peak, shard_numel, numel) in enumerate(_load(fsdp_run, "fsdp", case, rank)["held"]):
+                assert shard_numel == shard and 2 * shard_numel == numel + padding
+                open_groups, rest = divmod(peak - shard_numel, 2 * shard_numel)
+                assert rest == 0 and 0 <= open_groups <= 5  # 5 groups per logical batch, over both ranks
+                if "thundersync" in case:  # the same streams: open groups here are both ranks' open groups there
+                    whole_open = [(r["held"][k][0] // numel - 1) // 2 for r in whole]
+                    assert 1 <= open_groups <= sum(whole_open)
+                if "cap1" in case:  # one group per rank: 2·2 + 1 shards, fewer values than 2·1 + 1 whole vectors
+                    assert open_groups <= 2 and peak < 3 * numel
+
+
+def test_shard_statistics_refuses_parameters_fsdp2_does_not_shard():
+    module = StreamingPolicyModule(make_policy(torch.float64), shard_statistics=True)
+    plan = BatchPlan("grpo", 0, {"g": 2})
+    with pytest.raises(ValueError, match=r"learner.shard_statistics needs FSDP2 parameter shards"):
+        module.begin_batch(plan)
+    assert module.registry is None  # nothing opened
+
+
+@pytest.mark.parametrize("settings", [{"objective": "opd"}, {"context_backward": "boundary"}, {"fold_queue_depth": 2}])
+def test_shard_statistics_refuses_what_it_cannot_shard(settings):
+    with pytest.raises(ValueError, match="shard_statistics shards GRPO statistics under context_backward='recompute'"):
+        StreamingPolicyModule(make_policy(torch.float64), shard_statistics=True, **settings)
+
+
+def test_a_pass_that_fails_after_staging_fails_the_update_on_every_rank(fsdp_run):
+    """The failed pass still enters its tick's exchange (sending nothing), so the peers hear the failure at their
+    next tick instead of waiting for the timeout, and no rank steps."""
+    for rank in (0, 1):
+        record = _load(fsdp_run, "fsdp", "fail-pass-sharded", rank)
+        assert record["error_type"] == "RankFailureError", record
+        assert "update 0 failed on learner rank(s) [1] of 2" in record["error"]
+        assert record["unchanged"] and record["policy_version"] == 0
+        assert record["seconds"] < 20  # not the 30 s process group timeout

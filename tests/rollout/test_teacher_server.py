@@ -1,0 +1,145 @@
+"""The OPD teacher as a vLLM server (:mod:`tslightning.rollout.teacher_server`), on the session's teacher server: its
+scores equal the in-process teacher's on the same turns, an OPD ``fit`` scored by it equals the sync replay of its
+recorded batches, and a teacher that is unreachable or has another tokenizer or vocabulary is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tslightning.models.tiny_model import load_tiny_model
+from tslightning.rollout.teacher import TeacherScorer
+from tslightning.rollout.teacher_server import TeacherServer
+from tslightning.rollout.vllm_server_check import PROBE_TEXT
+
+ROOT = Path(__file__).parents[2]
+UPDATES = 2
+LOGPROB_TOLERANCE = 1e-4
+"""float32: vLLM's CPU kernels against transformers' on the same weights."""
+PARAMETER_TOLERANCE = 1e-4
+"""float32: the parameter gap relative to the step, as in test_vllm_server_end_to_end.py."""
+
+
+@pytest.fixture(scope="module")
+def student(vllm_teacher_server):
+    """The student's probe ids and vocabulary: the teacher server's own checkpoint (same tokenizer)."""
+    policy, tokenizer = load_tiny_model(vllm_teacher_server.model_dir)
+    return tuple(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]), policy.config.vocab_size
+
+
+def test_server_scores_equal_the_in_process_teachers(vllm_teacher_server, student):
+    generator = torch.Generator().manual_seed(0)
+    turns = []
+    for length in (6, 11, 17, 40):
+        ids = torch.randint(0, student[1], (length,), generator=generator)
+        mask = torch.zeros(length, dtype=torch.bool)
+        mask[length // 2 :] = True
+        mask[length - 2] = False  # a gap: an observation token between action tokens
+        turns.append((ids, mask))
+    extended = torch.cat([turns[-1][0], torch.randint(0, student[1], (9,), generator=generator)])
+    turns.append((extended, torch.cat([turns[-1][1], torch.ones(9, dtype=torch.bool)])))  # a later turn: shared prefix
+    teacher, _ = load_tiny_model(vllm_teacher_server.model_dir)
+    with TeacherServer(vllm_teacher_server.url, *student) as served, TeacherScorer(teacher) as local:
+        futures = [served.submit(ids, mask) for ids, mask in turns]  # all in flight at once
+        for (ids, mask), future in zip(turns, futures, strict=True):
+            scores = future.result(timeout=120)
+            assert scores.dtype == torch.float32 and scores.shape == (int(mask.sum()),)
+            assert float((scores - local.score(ids, mask)).abs().max()) <= LOGPROB_TOLERANCE
+        again = served.score(*turns[-1])  # its prefix now sits in the server's prefix cache
+        assert float((again - local.score(*turns[-1])).abs().max()) <= LOGPROB_TOLERANCE
+
+
+def test_an_unreachable_teacher_is_refused_in_one_line(student):
+    with pytest.raises(ValueError, match="rollout.teacher_url: http://127.0.0.1:9 is unreachable") as error:
+        TeacherServer("http://127.0.0.1:9", *student, timeout_s=5)
+    assert "\n" not in str(error.value)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(vllm_teacher_server, student):
+    other = tuple(reversed(student[0]))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        TeacherServer(vllm_teacher_server.url, other, student[1])
+
+
+def test_a_teacher_with_a_smaller_vocabulary_is_refused(vllm_teacher_server, student):
+    with pytest.raises(ValueError, match="vocabulary is smaller"):
+        TeacherServer(vllm_teacher_server.url, student[0], student[1] + 1000)
+
+
+def test_a_teacher_with_a_shorter_context_is_refused(vllm_teacher_server, student):
+    with pytest.raises(ValueError, match="--max-model-len 4097 or lower rollout.max_context_tokens to 4095"):
+        TeacherServer(vllm_teacher_server.url, *student, context_tokens=4096)
+    TeacherServer(vllm_teacher_server.url, *student, context_tokens=4095).close()
+
+
+def test_fit_refuses_an_unreachable_teacher_before_writing_anything(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart_opd.yaml",
+        "--rollout.teacher_url", "http://127.0.0.1:9", "--out_dir", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "rollout.teacher_url: http://127.0.0.1:9 is unreachable" in done.stderr
+    assert not out.exists()
+
+
+def test_opd_fit_scored_by_the_server_equals_the_sync_replay(vllm_teacher_server, tmp_path):
+    out = tmp_path / "run"
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart_opd.yaml",
+        "--rollout.teacher_url", vllm_teacher_server.url, "--updates", str(UPDATES), "--warm_start.steps", "100",
+        "--rollout.max_context_tokens", "4095",  # the server's 4096 hold a whole turn plus the token it generates
+        "--rollout.prompts_per_update", "2", "--out_dir", str(out), "--progress", "false",
+        "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (out / "teacher-0").exists()  # no in-process teacher was built
+
+    fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
+    replayed, initial = _sync_replay(out, UPDATES)
+    names = sorted(fitted)
+    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (fitted, replayed, initial)]
+    moved = float((flat[0] - flat[2]).norm())
+    assert moved > 0
+    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
+
+
+def _sync_replay(out: Path, updates: int) -> tuple[dict, dict]:
+    """θ after ``updates`` sync OPD updates on the recorded batches (teacher log-probs as the server gave them), from
+    the run's θ_0; and θ_0."""
+    from tslightning.core.sources import BatchClosed
+    from tslightning.learner.settings import OptimizerSettings
+    from tslightning.learner.streaming_module import StreamingPolicyModule
+    from tslightning.loop.batch_recording import load_batches
+
+    config = yaml.safe_load((ROOT / "configs" / "quickstart_opd.yaml").read_text())
+    policy, _ = load_tiny_model(out / "policy-0")
+    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
+    module = StreamingPolicyModule(policy, "opd", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
+    optimizer = module.configure_optimizers()
+    for update in range(updates):
+        (items,) = load_batches(out / "batches", update).values()
+        for item in items:
+            module.ingest(item)
+        assert isinstance(items[-1], BatchClosed)
+        module.barrier(optimizer)
+    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial
