@@ -174,6 +174,12 @@ class RolloutSettings:
     """m, trajectories sampled per prompt (the GRPO group size; ``grpo_sample`` and ``rloo`` need 2 or more)."""
     max_concurrent_attempts: int = 8
     """Attempts (trajectories) in flight at once; each holds a sandbox."""
+    prefetch_environments: int = 8
+    """Environment prefetch (terminal tasks; ``sync``, ``thundersync``, ``async``): once update k's last trajectory
+    is sampled, open the first this many attempt environments of update k+1 (their tasks are known from the data
+    order, and an environment never depends on the policy) while the learner's tail, barrier and publication run,
+    so those attempts start without set-up. Each holds a sandbox beside the ``max_concurrent_attempts`` running;
+    0: off (every attempt opens its own when it starts)."""
     max_turns: int = 4
     """Agent turns per attempt."""
     max_tokens_per_turn: int = 96
@@ -207,6 +213,7 @@ class RolloutSettings:
             ("prompts_per_update", 1),
             ("samples_per_prompt", 1),
             ("max_concurrent_attempts", 1),
+            ("prefetch_environments", 0),
             ("max_turns", 1),
             ("max_tokens_per_turn", 1),
             ("max_tokens_per_trajectory", 1),

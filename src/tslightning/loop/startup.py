@@ -390,9 +390,11 @@ def rollout_datamodule(
     seed: int,
     placement: RankPlacement | None = None,
     policy_config=None,
+    updates: int | None = None,
 ) -> RolloutDataModule:
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
-    agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores)."""
+    agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores), and terminal tasks'
+    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``."""
     return RolloutDataModule(
         engine,
         tokenizer,
@@ -404,8 +406,10 @@ def rollout_datamodule(
         agent_limits(rollout, policy_config),
         teacher,
         seed,
+        updates=updates,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
+        prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
     )
 
 
