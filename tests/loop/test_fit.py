@@ -193,3 +193,32 @@ def test_the_saved_config_re_runs_the_run(tmp_path):
     ]
     rewards = [json.loads((out / "rewards.json").read_text())["mean_rewards"] for out in (first, second)]
     assert len(rewards[0]) == 1 and rewards[0] == rewards[1]  # same seed, same rollouts
+
+
+def test_environment_prefetch_changes_no_recorded_batch(tmp_path):
+    """Update 1's attempts take environments prefetched during update 0's tail and barrier, and every recorded batch
+    (tasks, seeds, tokens, command outputs, rewards) is the one the run without prefetch records."""
+    import csv
+
+    from tslightning.core.sources import TrajectorySource
+    from tslightning.loop.batch_recording import load_batches
+
+    def recorded_run(prefetch: int) -> tuple[list, list[float]]:
+        out = tmp_path / f"prefetch-{prefetch}"
+        small = ["--updates", "2", "--warm_start.steps", "150", "--rollout.prompts_per_update", "2"]
+        small += ["--rollout.samples_per_prompt", "2", "--rollout.max_turns", "2", "--checkpoint.enabled", "false"]
+        settings = ["--rollout.prefetch_environments", str(prefetch), "--record_batches", "true"]
+        cli.main(["fit", "--config", "quickstart", *small, *settings, "--progress", "false", "--out_dir", str(out)])
+        batches = []
+        for update in range(2):
+            (items,) = load_batches(out / "batches", update).values()
+            sources = [i for i in items if isinstance(i, TrajectorySource)]
+            batches.append(sorted((s.group_id, s.trajectory_index, s.token_ids.tolist(), s.reward) for s in sources))
+        rows = csv.DictReader(next((out / "csv").rglob("metrics.csv")).open())
+        prefetched = [float(r["rollout/prefetched_environments"]) for r in rows if r["rollout/prefetched_environments"]]
+        return batches, prefetched
+
+    with_prefetch, used = recorded_run(3)
+    without_prefetch, unused = recorded_run(0)
+    assert used == [0.0, 3.0] and unused == [0.0, 0.0]  # update 1's first 3 attempts took prefetched environments
+    assert with_prefetch == without_prefetch

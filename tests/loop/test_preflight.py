@@ -79,6 +79,29 @@ BAD_INPUTS = {
         ["--rollout.teacher_url", "localhost"],
         "rollout.teacher_url: 'localhost' is not an http://host:port URL",
     ),
+    "ray-teacher-on-grpo": (
+        ["--rollout.engine", "vllm_server", "--rollout.launcher", "ray", "--rollout.ray.teacher", "true"],
+        "rollout.ray.teacher launches the OPD teacher; objective 'grpo' has none (remove it)",
+    ),
+    "ray-teacher-without-ray": (
+        ["--objective", "opd", "--rollout.ray.teacher", "true"],
+        "rollout.ray.teacher launches the OPD teacher with rollout.launcher ray: set rollout.launcher ray",
+    ),
+    "ray-teacher-and-url": (
+        ["--objective", "opd", "--rollout.engine", "vllm_server", "--rollout.launcher", "ray"]
+        + ["--rollout.ray.teacher", "true", "--rollout.teacher_url", "http://127.0.0.1:9"],
+        "rollout.ray.teacher and rollout.teacher_url both name the OPD teacher's server",
+    ),
+    "ray-teacher-cpus": (
+        ["--objective", "opd", "--rollout.engine", "vllm_server", "--rollout.launcher", "ray"]
+        + ["--rollout.ray.teacher", "true", "--rollout.ray.teacher_num_cpus", "0"],
+        "rollout.ray.teacher_num_cpus and rollout.ray.teacher_num_gpus must be >= 0 and not both 0; got 0.0, 0.0",
+    ),
+    "ray-teacher-and-teacher-cpus": (
+        ["--objective", "opd", "--rollout.engine", "vllm_server", "--rollout.launcher", "ray"]
+        + ["--rollout.ray.teacher", "true", "--model.teacher_cpus", "[0]"],
+        "model.teacher_cpus places the in-process OPD teacher; rollout.ray.teacher launches it on Ray",
+    ),
     "adapter-dir-on-hf": (
         ["--rollout.server_adapter_dir", "/shared/adapters"],
         "rollout.server_adapter_dir applies to rollout.engine vllm_server, not 'hf'",

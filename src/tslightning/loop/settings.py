@@ -174,6 +174,12 @@ class RolloutSettings:
     """m, trajectories sampled per prompt (the GRPO group size; ``grpo_sample`` and ``rloo`` need 2 or more)."""
     max_concurrent_attempts: int = 8
     """Attempts (trajectories) in flight at once; each holds a sandbox."""
+    prefetch_environments: int = 8
+    """Environment prefetch (terminal tasks; ``sync``, ``thundersync``, ``async``): once update k's last trajectory
+    is sampled, open the first this many attempt environments of update k+1 (their tasks are known from the data
+    order, and an environment never depends on the policy) while the learner's tail, barrier and publication run,
+    so those attempts start without set-up. Each holds a sandbox beside the ``max_concurrent_attempts`` running;
+    0: off (every attempt opens its own when it starts)."""
     max_turns: int = 4
     """Agent turns per attempt."""
     max_tokens_per_turn: int = 96
@@ -207,6 +213,7 @@ class RolloutSettings:
             ("prompts_per_update", 1),
             ("samples_per_prompt", 1),
             ("max_concurrent_attempts", 1),
+            ("prefetch_environments", 0),
             ("max_turns", 1),
             ("max_tokens_per_turn", 1),
             ("max_tokens_per_trajectory", 1),
@@ -229,6 +236,11 @@ class RolloutSettings:
         elif self.server_urls is not None:
             problems.append(
                 f"rollout.server_urls applies to rollout.engine vllm_server, not {self.engine!r}; remove it"
+            )
+        if self.ray.teacher and self.launcher != "ray":
+            problems.append(
+                "rollout.ray.teacher launches the OPD teacher with rollout.launcher ray: set rollout.launcher ray, or "
+                "remove rollout.ray.teacher (and give rollout.teacher_url, or leave the teacher in-process)"
             )
         if self.teacher_url is not None:
             malformed = url_problems([self.teacher_url])
@@ -342,6 +354,18 @@ def setting_problems(
         problems.append(
             "rollout.teacher_url and model.teacher_path/teacher_cpus both name the OPD teacher: keep the server "
             "(remove model.teacher_path and model.teacher_cpus) or the in-process one (remove rollout.teacher_url)"
+        )
+    if rollout.ray.teacher and objective != "opd":
+        problems.append(f"rollout.ray.teacher launches the OPD teacher; objective {objective!r} has none (remove it)")
+    if rollout.ray.teacher and rollout.teacher_url is not None:
+        problems.append(
+            "rollout.ray.teacher and rollout.teacher_url both name the OPD teacher's server: launch it (remove "
+            "rollout.teacher_url) or use the running one (remove rollout.ray.teacher)"
+        )
+    if rollout.ray.teacher and model.teacher_cpus is not None:
+        problems.append(
+            "model.teacher_cpus places the in-process OPD teacher; rollout.ray.teacher launches it on Ray: remove "
+            "model.teacher_cpus (rollout.ray.teacher_num_cpus sizes the launched one)"
         )
     return problems
 

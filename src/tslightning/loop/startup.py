@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tslightning.distributed.collectives import control_group
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
-from tslightning.learner.precision import compute_norms_in_float64, weight_dtype
+from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
 from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
@@ -270,11 +270,12 @@ def _start_vllm_server(rollout: RolloutSettings, policy_dir: Path, dtype: str, c
         raise
 
 
-def replica_server_args(rollout: RolloutSettings) -> list[str]:
-    """The ``api_server`` flags of each launched replica from ``rollout.vllm`` (``rollout.ray.server_args`` follow)."""
+def replica_server_args(rollout: RolloutSettings, gpus: float | None = None) -> list[str]:
+    """The ``api_server`` flags of each launched server from ``rollout.vllm`` (``rollout.ray.server_args`` follow);
+    ``gpus``: the server's Ray GPUs (``None``: a replica's ``rollout.ray.num_gpus``)."""
     vllm = rollout.vllm
     args = ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
-    if rollout.ray.num_gpus > 0:
+    if (rollout.ray.num_gpus if gpus is None else gpus) > 0:
         args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
     if vllm.enforce_eager:
         args.append("--enforce-eager")
@@ -320,9 +321,10 @@ def start_teacher(
     samples; built once on global rank 0 (``out/teacher-0``) and loaded by every rank. Its scoring thread runs on this
     rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
     (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
-    ``out/policy-0``."""
+    ``out/policy-0``; with ``rollout.ray.teacher`` it is that checkpoint served by a vLLM server fit launches on Ray
+    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`)."""
     if rollout.teacher_url is not None:
-        return _teacher_server(rollout, out / "policy-0")
+        return _teacher_server(rollout, out / "policy-0", rollout.teacher_url)
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
     with agreed_by_ranks("set-up: building the OPD teacher on global rank 0"):
         if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
@@ -333,12 +335,15 @@ def start_teacher(
                 supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
             teacher.save_pretrained(teacher_dir)
             tokenizer.save_pretrained(teacher_dir)
+    if rollout.launcher == "ray" and rollout.ray.teacher:
+        with agreed_by_ranks("set-up: launching the OPD teacher's vLLM server on Ray"):
+            return _launched_teacher(rollout, teacher_dir, out / "policy-0", serving_dtype(model.precision))
     with agreed_by_ranks("set-up: loading the OPD teacher"):
         teacher, _ = load_tiny_model(teacher_dir)
         return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
 
 
-def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
+def _teacher_server(rollout: RolloutSettings, policy_dir: Path, url: str, launcher=None) -> TeacherServer:
     from transformers import AutoConfig, AutoTokenizer
 
     from tslightning.rollout.vllm_server_check import PROBE_TEXT
@@ -347,8 +352,32 @@ def _teacher_server(rollout: RolloutSettings, policy_dir: Path):
     config = AutoConfig.from_pretrained(policy_dir)
     context = agent_limits(rollout, config).max_context_tokens
     return TeacherServer(
-        rollout.teacher_url, probe, config.vocab_size, context_tokens=context, timeout_s=rollout.server_timeout_s
+        url, probe, config.vocab_size, context_tokens=context, timeout_s=rollout.server_timeout_s, launcher=launcher
     )
+
+
+def _launched_teacher(rollout: RolloutSettings, teacher_dir: Path, policy_dir: Path, dtype: str) -> TeacherServer:
+    """``teacher_dir`` served on Ray (``rollout.ray.teacher``) for the student's whole turns plus the token each
+    scoring request generates, checked like a ``teacher_url`` server; stopped if that check fails."""
+    from transformers import AutoConfig
+
+    from tslightning.rollout.replica_launcher import launch_teacher
+
+    context = agent_limits(rollout, AutoConfig.from_pretrained(policy_dir)).max_context_tokens + 1
+    holds = getattr(AutoConfig.from_pretrained(teacher_dir), "max_position_embeddings", None) or context
+    if holds < context:
+        raise ValueError(
+            f"rollout.ray.teacher: the teacher {teacher_dir} holds {holds} positions, scoring the student's turns "
+            f"needs {context}: lower rollout.max_context_tokens to {holds - 1}"
+        )
+    extra = replica_server_args(rollout, rollout.ray.teacher_num_gpus)
+    options = {"transport": rollout.server_transport, "dtype": dtype, "max_model_len": context, "extra": extra}
+    launcher = launch_teacher(rollout.ray, teacher_dir, policy_dir.parent / "replicas", **options)
+    try:
+        return _teacher_server(rollout, policy_dir, launcher.urls[0], launcher)
+    except BaseException:
+        launcher.close()
+        raise
 
 
 def rollout_datamodule(
@@ -361,9 +390,11 @@ def rollout_datamodule(
     seed: int,
     placement: RankPlacement | None = None,
     policy_config=None,
+    updates: int | None = None,
 ) -> RolloutDataModule:
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
-    agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores)."""
+    agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores), and terminal tasks'
+    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``."""
     return RolloutDataModule(
         engine,
         tokenizer,
@@ -375,8 +406,10 @@ def rollout_datamodule(
         agent_limits(rollout, policy_config),
         teacher,
         seed,
+        updates=updates,
         max_concurrent_attempts=rollout.max_concurrent_attempts,
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
+        prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
     )
 
 

@@ -133,6 +133,9 @@ def record_update(fabric, module, datamodule, result: FitResult, update: int, st
     result.mean_rewards.append(reward_sum / max(num_rewards, 1))
     result.step_seconds.append(time.perf_counter() - start)
     metrics = {"train/mean_reward": result.mean_rewards[-1]}
+    # this rank's attempts' waits for their environments: set-up on the rollout's critical path (prefetch hides it)
+    metrics["rollout/environment_wait_s"] = datamodule.environment_seconds(update)
+    metrics["rollout/prefetched_environments"] = float(datamodule.prefetched_environments(update))
     if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
         metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
     if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0

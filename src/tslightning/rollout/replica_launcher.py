@@ -9,6 +9,11 @@ killed, a new one started — under a new *generation*. The engine asks :meth:`R
 publication and takes a restarted replica back into rotation only after it published the current policy version to
 it (:mod:`tslightning.rollout.vllm_server_engine`).
 
+With ``rollout.ray.teacher`` (OPD), :func:`launch_teacher` starts the frozen teacher the same way: one
+:class:`RayReplicas` of ``role`` ``teacher`` holding ``teacher_num_cpus`` / ``teacher_num_gpus``, restarted when it
+dies and never published to; :class:`~tslightning.rollout.teacher_server.TeacherServer` resends a turn whose request
+failed to the restarted server.
+
 Learner ranks stay on Fabric; only the servers run on Ray. Ray is imported when the launcher starts (the ``ray``
 extra); the settings import nothing.
 """
@@ -18,13 +23,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from tslightning.rollout.vllm_server_check import answers
 
-__all__ = ["RayReplicas", "RaySettings", "ReplicaFailed"]
+__all__ = ["RayReplicas", "RaySettings", "ReplicaFailed", "launch_teacher"]
 
 
 @dataclass
@@ -55,6 +60,13 @@ class RaySettings:
     wait_for_restarts: bool = False
     """A publication first waits (``startup_timeout_s`` at most) for replicas being restarted, so it reaches all of
     them; ``false``: it publishes to those serving and a restarted replica joins at the next publication."""
+    teacher: bool = False
+    """OPD: also launch the frozen teacher (``model.teacher_path``, else the embedded ``<out_dir>/teacher-0``) as one
+    vLLM server on Ray, health-checked and restarted like a replica, that ``fit`` scores on (no ``teacher_url``)."""
+    teacher_num_cpus: float = 1.0
+    """Ray CPUs the teacher's server holds (``teacher: true``)."""
+    teacher_num_gpus: float = 0.0
+    """Ray GPUs the teacher's server holds (``teacher: true``)."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``rollout.ray.*``) and the fix."""
@@ -65,6 +77,12 @@ class RaySettings:
             problems.append(
                 f"rollout.ray.num_cpus and rollout.ray.num_gpus must be >= 0 and not both 0; got {self.num_cpus}, "
                 f"{self.num_gpus}"
+            )
+        teacher = (self.teacher_num_cpus, self.teacher_num_gpus)
+        if self.teacher and (min(teacher) < 0 or sum(teacher) <= 0):
+            problems.append(
+                "rollout.ray.teacher_num_cpus and rollout.ray.teacher_num_gpus must be >= 0 and not both 0; got "
+                f"{self.teacher_num_cpus}, {self.teacher_num_gpus}"
             )
         for name in ("startup_timeout_s", "health_interval_s"):
             if not getattr(self, name) > 0:
@@ -99,23 +117,32 @@ class RayReplicas:
         log_dir: Default directory of the replicas' logs (``settings.log_dir`` wins).
         server_options: ``transport``, ``dtype``, ``max_model_len``, ``lora_rank`` and ``extra`` flags for
             :class:`~tslightning.rollout.replica_server.ReplicaServer` (``settings.server_args`` follow ``extra``).
+        role: What the servers are, in their log names (``<role>-<i>-<generation>.log``) and errors: ``replica``
+            (the policy's) or ``teacher`` (:func:`launch_teacher`).
 
     Raises:
         ValueError: One line naming the ``rollout.ray`` setting when Ray is missing, the cluster cannot be reached or
             cannot hold the replicas' resources, or a replica does not start.
     """
 
-    def __init__(self, settings: RaySettings, model: str | Path, log_dir: str | Path, **server_options: Any) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        settings: RaySettings,
+        model: str | Path,
+        log_dir: str | Path,
+        role: str = "replica",
+        **server_options: Any,
+    ) -> None:
+        self.settings, self.role = settings, role
         extra = [*server_options.pop("extra", []), *settings.server_args]  # later flags win
         self._model, self._options = str(model), {**server_options, "extra": extra}
         self._log_dir = Path(settings.log_dir or log_dir)
-        self._ray, self._owns_cluster = _connect(settings), settings.address is None
+        self._ray, self._owns_cluster = _connect(settings)
         self._lock = threading.Condition()
         self._replicas = [_Replica() for _ in range(settings.replicas)]
         self._closed = False
         try:
-            _check_resources(self._ray, settings)
+            _check_resources(self._ray, settings, role)
             for index in range(settings.replicas):  # actors start concurrently; each is then waited for
                 self._launch(index)
             for index in range(settings.replicas):
@@ -145,15 +172,21 @@ class RayReplicas:
                 )
             return {i: (r.generation, r.url) for i, r in enumerate(self._replicas) if r.serving}
 
-    def lost(self, index: int) -> None:
-        """The engine saw replica ``index`` stop answering: restart it (nothing when already restarting)."""
+    def lost(self, index: int, generation: int | None = None) -> None:
+        """The engine saw replica ``index`` stop answering: restart it (nothing when already restarting, or when
+        ``generation`` is given and the replica was restarted since: its requests to the old server failed)."""
         with self._lock:
             replica = self._replicas[index]
-            if self._closed or replica.restarting is not None:
+            if self._closed or replica.restarting is not None or generation not in (None, replica.generation):
                 return
             replica.serving = False
             replica.restarting = threading.Thread(target=self._restart, args=(index,), daemon=True)
             replica.restarting.start()
+
+    def error(self, index: int) -> str | None:
+        """Why replica ``index``'s last restart failed (``None``: it did not)."""
+        with self._lock:
+            return self._replicas[index].error
 
     def server_pid(self, index: int) -> int | None:
         """Replica ``index``'s server process id on its node."""
@@ -176,7 +209,7 @@ class RayReplicas:
         from tslightning.rollout.replica_server import ReplicaServer
 
         replica = self._replicas[index]
-        log = self._log_dir / f"replica-{index}-{replica.generation}.log"
+        log = self._log_dir / f"{self.role}-{index}-{replica.generation}.log"
         remote = self._ray.remote(ReplicaServer).options(
             num_cpus=self.settings.num_cpus, num_gpus=self.settings.num_gpus, max_restarts=0
         )
@@ -191,14 +224,14 @@ class RayReplicas:
             code = self._ray.get(replica.actor.exit_code.remote(), timeout=60)
             if code is not None:
                 tail = self._ray.get(replica.actor.log_tail.remote(), timeout=60)
-                raise ReplicaFailed(f"replica {index}'s vLLM server exited with {code}:\n{tail}")
+                raise ReplicaFailed(f"{self.role} {index}'s vLLM server exited with {code}:\n{tail}")
             if answers(replica.url):
                 with self._lock:
                     replica.serving, replica.error = True, None
                 return
             time.sleep(1.0)
         raise ReplicaFailed(
-            f"replica {index} ({replica.url}) did not answer /health within {self.settings.startup_timeout_s} s: "
+            f"{self.role} {index} ({replica.url}) did not answer /health within {self.settings.startup_timeout_s} s: "
             "raise rollout.ray.startup_timeout_s, or read its log in rollout.ray.log_dir"
         )
 
@@ -261,8 +294,25 @@ class RayReplicas:
             pass
 
 
-def _connect(settings: RaySettings) -> Any:
-    """Ray, connected to ``settings.address`` (or to a new one-node cluster)."""
+def launch_teacher(settings: RaySettings, model: str | Path, log_dir: str | Path, **server_options: Any) -> RayReplicas:
+    """The frozen OPD teacher (``rollout.ray.teacher``): one vLLM server on ``model`` as a Ray actor holding
+    ``teacher_num_cpus`` / ``teacher_num_gpus``, health-checked and restarted like a replica (``teacher-0-<g>.log``).
+    Nothing is published to it; its :meth:`RayReplicas.serving` waits for a restart in progress (at most
+    ``startup_timeout_s``), so a scorer whose request failed gets the restarted server's URL. Raises like
+    :class:`RayReplicas`."""
+    teacher = replace(
+        settings,
+        replicas=1,
+        num_cpus=settings.teacher_num_cpus,
+        num_gpus=settings.teacher_num_gpus,
+        wait_for_restarts=True,
+    )
+    return RayReplicas(teacher, model, log_dir, role="teacher", **server_options)
+
+
+def _connect(settings: RaySettings) -> tuple[Any, bool]:
+    """Ray, connected to ``settings.address`` (or to a new one-node cluster), and whether this call started the
+    cluster (the launcher that did stops it; a second launcher in the same process joins it)."""
     try:
         import ray
     except ImportError:
@@ -272,6 +322,7 @@ def _connect(settings: RaySettings) -> Any:
         ) from None
     if settings.address not in (None, "auto"):
         _check_reachable(settings.address)
+    owns = settings.address is None and not ray.is_initialized()
     try:
         if settings.address is None:
             ray.init(include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
@@ -282,7 +333,7 @@ def _connect(settings: RaySettings) -> Any:
             f"rollout.ray.address: cannot connect to the Ray cluster at {settings.address!r} ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); run `ray start --head` there, or fix the address"
         ) from None
-    return ray
+    return ray, owns
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
@@ -298,14 +349,24 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
         ) from None
 
 
-def _check_resources(ray: Any, settings: RaySettings) -> None:
-    """The cluster must hold every replica at once (Ray would otherwise wait forever to place the last)."""
+def _check_resources(ray: Any, settings: RaySettings, role: str = "replica") -> None:
+    """The cluster must hold every replica — and the launched teacher — at once (Ray would otherwise wait forever to
+    place the last)."""
     total = ray.cluster_resources()
     for name, each in (("CPU", settings.num_cpus), ("GPU", settings.num_gpus)):
-        need, have = each * settings.replicas, float(total.get(name, 0.0))
+        key, have = f"num_{name.lower()}s", float(total.get(name, 0.0))
+        if role == "teacher":
+            if each > have:
+                raise ValueError(
+                    f"rollout.ray: the teacher's {each:g} {name}s (rollout.ray.teacher_{key}) are more than the Ray "
+                    f"cluster's {have:g}: lower rollout.ray.teacher_{key}, or add nodes"
+                )
+            continue
+        teacher = getattr(settings, f"teacher_{key}") if settings.teacher else 0.0
+        need = each * settings.replicas + teacher
         if need > have:
+            also = f" + the teacher's {teacher:g} (rollout.ray.teacher_{key})" if settings.teacher else ""
             raise ValueError(
-                f"rollout.ray: {settings.replicas} replicas x {each:g} {name}s (rollout.ray.num_{name.lower()}s) need "
-                f"{need:g}, the Ray cluster has {have:g}: lower rollout.ray.num_{name.lower()}s or "
-                "rollout.ray.replicas, or add nodes"
+                f"rollout.ray: {settings.replicas} replicas x {each:g} {name}s (rollout.ray.{key}){also} need "
+                f"{need:g}, the Ray cluster has {have:g}: lower rollout.ray.{key} or rollout.ray.replicas, or add nodes"
             )

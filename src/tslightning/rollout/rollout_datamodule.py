@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +27,7 @@ from tslightning.core.sources import BatchClosed, GroupClosed, StreamItem, Traje
 from tslightning.distributed.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import RolloutEngine
+from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, PreparedEnvironment, close_prepared
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.rollout.tool_threads import run_with_tool_threads
@@ -56,6 +57,27 @@ class ReadyRecord:
     ready_time: float
 
 
+@dataclass(frozen=True)
+class EnvironmentRecord:
+    """How one attempt got its environment.
+
+    Attributes:
+        update: The update.
+        group_id: The attempt's group.
+        trajectory_index: Its index in the group.
+        prefetched: It took a prefetched environment.
+        ready: That environment was already set up when the attempt began (its set-up was off the critical path).
+        wait_s: Seconds the attempt waited for its environment (a fresh one's whole set-up).
+    """
+
+    update: int
+    group_id: str
+    trajectory_index: int
+    prefetched: bool
+    ready: bool
+    wait_s: float
+
+
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -82,6 +104,10 @@ class RolloutDataModule(L.LightningDataModule):
         world_size: Learner ranks sharing each logical batch of ``prompts_per_update`` prompts.
         cpus: Cores the agent loop runs on (its event-loop thread and tool threads), e.g. the rollout replicas'
             cores, so the loop's Python work does not compete with a learner in this process; ``None``: unchanged.
+        prefetch_environments: When update k's last trajectory has been sampled, open update k+1's first this many
+            attempt environments ahead (:mod:`~tslightning.rollout.environment_prefetch`), while the learner's
+            tail, barrier and publication run; 0: every attempt opens its own when it starts. Schedules that roll
+            out one update at a time (``sync``, ``thundersync``, ``async``), not ``stream_continuous``.
     """
 
     def __init__(
@@ -101,6 +127,7 @@ class RolloutDataModule(L.LightningDataModule):
         rank: int = 0,
         world_size: int = 1,
         cpus: Sequence[int] | None = None,
+        prefetch_environments: int = 0,
     ) -> None:
         super().__init__()
         self.objective = Objective(objective)
@@ -117,6 +144,8 @@ class RolloutDataModule(L.LightningDataModule):
             problems.append("cpus is empty: list at least one core, or None to leave placement alone")
         if not 0 <= rank < world_size:
             problems.append(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
+        if prefetch_environments < 0:
+            problems.append(f"prefetch_environments must be >= 0 (0: off); got {prefetch_environments}")
         if problems:
             raise ValueError("RolloutDataModule: " + "; ".join(problems))
         self.engine = engine
@@ -141,6 +170,11 @@ class RolloutDataModule(L.LightningDataModule):
         """``fully_async``: groups dropped for exceeding the staleness bound."""
         self.update_starts: dict[int, float] = {}
         """``time.perf_counter()`` at each update's first rollout request; ready times are relative to it."""
+        self.environment_log: list[EnvironmentRecord] = []
+        """Per attempt: how long it waited for its environment, and whether a prefetched one was ready."""
+        self.prefetch = (
+            EnvironmentPrefetch(attempt_factory, prefetch_environments, self.cpus) if prefetch_environments else None
+        )
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
@@ -169,12 +203,17 @@ class RolloutDataModule(L.LightningDataModule):
         costs = {(g, i): per_trajectory[g] * (self.samples_per_prompt if i is None else 1) for g, i in units_of(plan)}
         return RankAssignment.balanced(plan, costs, self.world_size).rank_plan(self.rank)
 
+    def rank_tasks(self, update: int, version: int) -> tuple[BatchPlan, dict[str, tuple[RolloutTask, list[int]]]]:
+        """Update ``update``'s plan at ``version`` (this rank's share) and, per group id, its task and this rank's
+        trajectory indices, in the order the attempts start. Nothing here depends on the policy's weights."""
+        tasks = {f"u{update}/p{p}/{task.task_id}": task for p, task in enumerate(self.tasks_for_update(update))}
+        plan = self.rank_plan(BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks}), tasks)
+        return plan, {g: (tasks[g], sorted(plan.trajectory_indices(g))) for g in plan.group_sizes}
+
     def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
         """Run update ``update``'s rollouts; yield its plan, then items in readiness order, ending with BatchClosed."""
         version = self.engine.policy_version
-        tasks = {f"u{update}/p{p}/{task.task_id}": task for p, task in enumerate(self.tasks_for_update(update))}
-        plan = self.rank_plan(BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks}), tasks)
-        tasks = {g: (tasks[g], sorted(plan.trajectory_indices(g))) for g in plan.group_sizes}  # this rank's share
+        plan, tasks = self.rank_tasks(update, version)
         yield plan
         ready: queue.Queue = queue.Queue()
         start = self.update_starts[update] = time.perf_counter()
@@ -298,9 +337,56 @@ class RolloutDataModule(L.LightningDataModule):
                 self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
             )
             self.trajectories[update] = trajectories
+            self._prefetch_after(update)  # the last trajectory is sampled: the learner's tail and barrier come next
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
+            if self.prefetch is not None:
+                self.prefetch.discard()
             ready.put(_Failure(error))
+
+    def _prefetch_after(self, update: int) -> None:
+        """Close what update ``update`` left prepared; prepare update ``update + 1``'s first environments."""
+        if self.prefetch is None:
+            return
+        if self.updates is not None and update + 1 >= self.updates:
+            self.prefetch.discard()
+            return
+        _, tasks = self.rank_tasks(update + 1, self.engine.policy_version)  # the version only stamps the plan
+        self.prefetch.prepare(update + 1, [task for task, indices in tasks.values() for _ in indices])
+
+    async def _open_attempt(self, update: int, group_id: str, index: int, task: RolloutTask) -> PreparedEnvironment:
+        """The attempt's environment: a prefetched one of its task, else a fresh one; the wait is logged."""
+        start = time.perf_counter()
+        future = self.prefetch.take(update, task) if self.prefetch is not None else None
+        ready = future is not None and future.done()
+        if future is not None:
+            try:
+                prepared = await asyncio.wrap_future(future)
+            except BaseException:  # cancelled while it was opening: it is closed once open, never left behind
+                future.add_done_callback(close_prepared)
+                raise
+        else:
+            stack = ExitStack()
+            prepared = PreparedEnvironment(stack.enter_context(self.attempt_factory(task)), stack, 0.0)
+        waited = time.perf_counter() - start
+        self.environment_log.append(EnvironmentRecord(update, group_id, index, future is not None, ready, waited))
+        return prepared
+
+    def environment_seconds(self, update: int) -> float:
+        """Seconds update ``update``'s attempts waited for their environments, summed over the attempts (a fresh
+        set-up blocks the agent loop, so its waits add up; attempts waiting at once for prefetched environments
+        still being opened overlap, so the sum can then exceed the wall time)."""
+        return sum(r.wait_s for r in self.environment_log if r.update == update)
+
+    def prefetched_environments(self, update: int) -> int:
+        """Attempts of update ``update`` that took a prefetched environment (see :attr:`environment_log` for which
+        were already set up when the attempt began)."""
+        return sum(r.prefetched for r in self.environment_log if r.update == update)
+
+    def teardown(self, stage: str) -> None:
+        """Close every prefetched environment no attempt took, and the prefetch threads (the run's end)."""
+        if self.prefetch is not None:
+            self.prefetch.close()
 
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
@@ -324,9 +410,10 @@ class RolloutDataModule(L.LightningDataModule):
                 scoring.append(loop.create_task(self._score_turn(trajectory, turn, emit)))
 
         async with gate:
-            with self.attempt_factory(task) as attempt:
+            prepared = await self._open_attempt(update, group_id, index, task)
+            with prepared.exit_stack:
                 trajectory = await self.agent.run(
-                    task.task_id, task.instruction, attempt, group_id, index, update, on_turn
+                    task.task_id, task.instruction, prepared.attempt, group_id, index, update, on_turn
                 )
         if self.objective is Objective.GRPO:
             emit(trajectory.trajectory_source())

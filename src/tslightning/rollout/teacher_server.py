@@ -7,6 +7,11 @@ exact token ids (token-in: never re-tokenized) asking for ``prompt_logprobs``: t
 prompt token under its causal prefix, read at the scored positions. The server's continuous batching batches turns;
 answers come back one by one.
 
+A launched teacher (``rollout.ray.teacher``, :func:`~tslightning.rollout.replica_launcher.launch_teacher`) comes with
+its launcher: a turn whose request fails to connect (or times out) reports the server lost, waits for the launcher's
+restart and is resent to the restarted server — the teacher is frozen, so its scores do not change — at most
+:data:`RESENDS` times; a teacher that does not come back fails the turn in one line naming the setting.
+
 A teacher must share the student's tokenizer (token-level correspondence); it may have a larger (padded) vocabulary,
 not a smaller one. :func:`teacher_problems` checks both, and the token-in route, before training starts.
 """
@@ -26,6 +31,8 @@ from tslightning.rollout.vllm_server_check import PROBE_TEXT
 __all__ = ["TeacherServer", "teacher_problems"]
 
 KEY = "rollout.teacher_url"
+RESENDS = 3
+"""Times a launched teacher's turn is resent after its server was restarted."""
 
 
 class TeacherServer:
@@ -38,6 +45,8 @@ class TeacherServer:
         context_tokens: Longest turn (history and action) the teacher must score; ``None``: not checked.
         timeout_s: Seconds one check or one scoring request may take.
         max_connections: Turns scored at once (requests in flight).
+        launcher: The launched teacher's :class:`~tslightning.rollout.replica_launcher.RayReplicas` (one server,
+            ``url`` its URL): failed requests wait for its restart and are resent; :meth:`close` stops it.
 
     Raises:
         ValueError: One line per problem of :func:`teacher_problems` (nothing is scored).
@@ -52,8 +61,10 @@ class TeacherServer:
         context_tokens: int | None = None,
         timeout_s: float = 600.0,
         max_connections: int = 8,
+        launcher: Any = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url, self._launcher = url.rstrip("/"), launcher
+        self._key = KEY if launcher is None else "rollout.ray.teacher"  # what error messages name
         problems = teacher_problems(self.url, probe_ids, vocab_size, min(timeout_s, 60.0), context_tokens)
         if problems:
             raise ValueError("; ".join(problems))
@@ -82,10 +93,13 @@ class TeacherServer:
         return self.submit(token_ids, scored_mask).result()
 
     def close(self) -> None:
-        """Finish the turns sent, then stop. Idempotent; the server keeps running (it is the user's)."""
+        """Finish the turns sent, then stop. Idempotent; the server keeps running (it is the user's) unless it was
+        launched (then the launcher stops it)."""
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            if self._launcher is not None:
+                self._launcher.close()
 
     def __enter__(self) -> TeacherServer:
         return self
@@ -99,17 +113,41 @@ class TeacherServer:
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
-        try:
-            response = session.post(
-                f"{self.url}/inference/v1/generate", json=_score_body(ids, request_id), timeout=self._timeout_s
-            )
-        except requests.RequestException as error:
-            raise RuntimeError(f"{KEY} {self.url} stopped answering ({type(error).__name__}: {error})") from None
-        if response.status_code != 200:
+        for resend in itertools.count():
+            generation, url = self._server()
+            try:
+                response = session.post(
+                    f"{url}/inference/v1/generate", json=_score_body(ids, request_id), timeout=self._timeout_s
+                )
+            except requests.RequestException as error:
+                if self._launcher is None or resend >= RESENDS:
+                    failure = f"{type(error).__name__}: {error}"
+                    raise RuntimeError(f"{self._key} {url} stopped answering ({failure})") from None
+                self._launcher.lost(0, generation)  # a restart since this request was sent is not repeated
+                continue
+            if response.status_code != 200:
+                refusal = f"({response.status_code}): {response.text[:300]}"
+                raise RuntimeError(f"{self._key} {url} refused to score a turn {refusal}")
+            return scored_prompt_logprobs(response.json()["prompt_logprobs"], ids, positions)
+        raise AssertionError("unreachable")
+
+    def _server(self) -> tuple[int, str]:
+        """The teacher's (generation, URL) now; a launched one being restarted is waited for.
+
+        Raises:
+            RuntimeError: The launched teacher did not come back (its restart failed or took too long).
+        """
+        if self._launcher is None:
+            return 0, self.url
+        serving = self._launcher.serving().get(0)
+        if serving is None:
             raise RuntimeError(
-                f"{KEY} {self.url} refused to score a turn ({response.status_code}): {response.text[:300]}"
+                f"rollout.ray.teacher: the launched OPD teacher stopped and did not come back "
+                f"({self._launcher.error(0) or 'its restart is still under way'}); read teacher-0-*.log in "
+                "rollout.ray.log_dir, or raise rollout.ray.startup_timeout_s"
             )
-        return scored_prompt_logprobs(response.json()["prompt_logprobs"], ids, positions)
+        self.url = serving[1]
+        return serving
 
 
 def scored_prompt_logprobs(entries: Sequence[Any], ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
