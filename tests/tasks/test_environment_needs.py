@@ -97,6 +97,10 @@ def test_base_images_the_builder_maps():
     assert base_of("python:3.13-slim-bookworm") == ("python", "3.13-slim-bookworm")
     assert base_of("docker.io/library/ubuntu") == ("ubuntu", "latest")
     assert base_of("debian@sha256:abc") == ("debian", "latest")
+    assert base_of("public.ecr.aws/docker/library/debian:bookworm-slim@sha256:4724b8cc") == ("debian", "bookworm-slim")
+    assert base_of("mirror.gcr.io/library/python:3.12-slim") == ("python", "3.12-slim")
+    assert base_of("public.ecr.aws/docker/library/node:20-slim") is None  # mirrored, but not a base we map
+    assert base_of("public.ecr.aws/someone/debian:12") is None  # not the official image
     assert base_of("alpine:3.20") is None and base_of("ghcr.io/laude-institute/t-bench/python:3.13") is None
 
 

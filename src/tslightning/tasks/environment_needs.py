@@ -40,6 +40,12 @@ EnvironmentStatus = Literal["host", "build", "needs image", "needs network at bu
 
 MAPPED_BASES = ("python", "debian", "ubuntu", "buildpack-deps")
 """Base images (Docker Hub's official names, any tag) whose environment a Debian root with Python stands in for."""
+OFFICIAL_IMAGE_MIRRORS = (
+    "docker.io/", "index.docker.io/", "registry-1.docker.io/", "registry.hub.docker.com/",
+    "public.ecr.aws/docker/", "mirror.gcr.io/",
+)  # fmt: skip
+"""Registry prefixes under which Docker Hub's official images (``library/<name>``) are published as they are: many
+published tasks pin ``public.ecr.aws/docker/library/debian:bookworm-slim@sha256:...`` to avoid Docker Hub's limits."""
 TERMINAL_BENCH_1_BASES = {
     "ghcr.io/laude-institute/t-bench/python-3-13": ("python", "3.13"),
     "ghcr.io/laude-institute/t-bench/ubuntu-24-04": ("ubuntu", "24.04"),
@@ -156,11 +162,12 @@ def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=N
 
 
 def base_of(image: str) -> tuple[str, str] | None:
-    """``(name, tag)`` of ``image`` when it is one of :data:`MAPPED_BASES` (``docker.io/library/`` prefixes and
-    digests allowed), else ``None``."""
+    """``(name, tag)`` of ``image`` when it is one of :data:`MAPPED_BASES` (Docker Hub's ``library/`` names, also
+    through the registries that mirror them, :data:`OFFICIAL_IMAGE_MIRRORS`; digests allowed), else ``None``."""
     reference = image.split("@", 1)[0]
-    for prefix in ("docker.io/", "index.docker.io/", "library/"):
+    for prefix in OFFICIAL_IMAGE_MIRRORS:
         reference = reference.removeprefix(prefix)
+    reference = reference.removeprefix("library/")
     name, _, tag = reference.partition(":")
     if name in TERMINAL_BENCH_1_BASES:
         name, version = TERMINAL_BENCH_1_BASES[name]
