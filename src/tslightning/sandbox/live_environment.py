@@ -47,7 +47,7 @@ from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, hand_over_to_verifier
 from tslightning.sandbox.result import CommandResult
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 
 LIVE_MOUNTS: tuple[Mount, ...] = ("app", "oracle")
 """What the live environment shows; a command that needs more (a verifier's ``/tests``, ``/logs``) ends it."""
@@ -114,29 +114,17 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         """Whether the environment is running."""
         return self._keeper is not None and self._keeper.poll() is None
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
-        if verifier or not set(mounts) <= set(LIVE_MOUNTS):
+    def _launch(self, request: CommandRequest) -> Launch:
+        if request.verifier or not set(request.mounts) <= set(LIVE_MOUNTS):
             with self._lock:
-                beside = self._launch_beside(command, limits, mounts, cwd, env, ready_fd, verifier)
+                beside = self._launch_beside(request)
             if beside is not None:
                 return beside
             self.end()  # nothing the agent left running outlives into a per-command verifier run
-            return super()._launch(
-                command, limits=limits, mounts=mounts, cwd=cwd, env=env, ready_fd=ready_fd, verifier=verifier
-            )
+            return super()._launch(request)
         with self._lock:
-            self._ensure_live(limits)
-            return self._request(command, limits, cwd, env, ready_fd)
+            self._ensure_live(request.limits)
+            return self._request(request)
 
     def run(
         self,
@@ -167,23 +155,15 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             if ends:
                 self.end()
 
-    def _launch_beside(
-        self,
-        command: str,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool,
-    ) -> Launch | None:
+    def _launch_beside(self, request: CommandRequest) -> Launch | None:
         """The launch of a verifier run beside the running environment, or None where it cannot run beside it."""
         if self._host_uid is None or not self.live or self._netns is None:
             return None
+        mounts = request.mounts
         hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid, self.kept_owners())
         _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
-        joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
-        launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
+        joined = not self.agent_network and not self.network_for(request.verifier)  # else: the host's, or its own
+        launch = self._bwrap_launch(request, joined_network=joined)
         netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
         agents = [self.attempt.host_path(mount) for mount in mounts if mount in LIVE_MOUNTS]
         agents += list(self.root.writable.values()) if self.root is not None else []
@@ -207,24 +187,26 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         if not self.live:
             self._start(limits)
 
-    def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
+    def _request(self, request: CommandRequest) -> Launch:
+        """The launch of an agent's command inside the running environment (its pid 1 forks it)."""
         self._pin_keeper()
-        config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
-        config["env"] = self.agent_env(env)
+        config = {"command": request.command, "shell": "/bin/bash", "cwd": request.cwd}
+        config |= {"rlimits": kernel_limits(request.limits), "env": self.agent_env(request.env)}
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = _Descriptors()  # the configuration (any command length) travels in a memory file
+        passed = _Descriptors()  # the configuration (any command length) travels in a memory file
         try:
-            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(request.data(marshal.dumps(config)))])
+            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(passed.data(marshal.dumps(config)))])
         except OSError as error:
             host_end.close()
             raise SandboxError(f"the attempt's live environment stopped answering: {error}") from error
         finally:
             keeper_end.close()
-            request.close()
+            passed.close()
         status_read, status_write = os.pipe()
         client_fd = host_end.detach()
+        client = [str(client_fd), str(request.ready_fd), str(status_write)]
         return Launch(
-            argv=[sys.executable, "-I", "-S", "-B", "-c", _CLIENT, str(client_fd), str(ready_fd), str(status_write)],
+            argv=[sys.executable, "-I", "-S", "-B", "-c", _CLIENT, *client],
             env={"PATH": DEFAULT_PATH},
             pass_fds=(client_fd, status_write),
             status_fd=status_read,
