@@ -131,3 +131,15 @@ def test_an_unreadable_dockerfile_names_its_line(tmp_path):
     with pytest.raises(TaskFormatError) as caught:
         TerminalTask.load(_task(tmp_path, "FROM debian\nWHAT? now\n"))
     assert caught.value.problems == ["environment/Dockerfile: line 2: 'WHAT?' is not a Dockerfile instruction"]
+
+
+def test_harbor_main_service_is_the_tasks_own_even_without_a_build(tmp_path):
+    # Harbor's base file gives `main` its build; a task's compose file often only adds a built helper to it.
+    compose = "services:\n  main:\n    depends_on: [ledger]\n  ledger:\n    build:\n      context: ./ledger\n"
+    needs = environment_needs(_environment(tmp_path / "a", "FROM debian\n", docker_compose_yaml=compose))
+    assert needs.status == "needs helper container"
+    assert needs.reasons == ("docker-compose.yaml: services besides the task's own (ledger)",)
+    alone = "services:\n  main:\n    environment: [MODE=test]\n"
+    assert environment_needs(_environment(tmp_path / "b", "FROM debian\n", docker_compose_yaml=alone)).status == "host"
+    built = "services:\n  client:\n    build: .\n"  # Terminal-Bench 1's one service builds the task's own image
+    assert environment_needs(_environment(tmp_path / "c", "FROM debian\n", docker_compose_yaml=built)).status == "host"

@@ -73,6 +73,8 @@ PLACEHOLDER_COMMANDS = frozenset(
 )
 """``CMD`` values that only keep a container alive: no start-up service to run."""
 APP = "/app"
+HARBOR_MAIN_SERVICE = "main"
+"""The compose service Harbor runs the task's own environment in; every other service is a helper container."""
 
 _URL = re.compile(r"\b(?:https?|ftp|git)://([A-Za-z0-9.-]+)")
 _SSH_GIT = re.compile(r"\bgit@([A-Za-z0-9.-]+):")
@@ -270,11 +272,18 @@ def _check_compose(environment_dir: Path, findings: _Findings) -> None:
         except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as error:
             findings.add("needs helper container", f"{name}: unreadable compose file ({type(error).__name__})")
             return
-        helpers = sorted(n for n, spec in services.items() if not (isinstance(spec, dict) and "build" in spec))
-        if len(services) > 1 or helpers:
-            listed = ", ".join(helpers) or ", ".join(sorted(services))
-            findings.add("needs helper container", f"{name}: services besides the task's own ({listed})")
+        helpers = sorted(service for service in services if service != _own_service(services))
+        if helpers:
+            findings.add("needs helper container", f"{name}: services besides the task's own ({', '.join(helpers)})")
         return
+
+
+def _own_service(services: dict) -> str | None:
+    """The task's own service of a compose file: Harbor's ``main`` (its build, image and command come from Harbor's
+    base file, so the task's file often overrides only ``depends_on``), else the one that builds, else none."""
+    if HARBOR_MAIN_SERVICE in services:
+        return HARBOR_MAIN_SERVICE
+    return next((name for name, spec in services.items() if isinstance(spec, dict) and "build" in spec), None)
 
 
 def _start_command(entrypoint: Instruction | None, command: Instruction | None) -> str | None:

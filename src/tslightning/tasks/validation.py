@@ -26,7 +26,13 @@ from tslightning.sandbox import CommandResult
 from tslightning.sandbox.compose import compose_available
 from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
 from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
-from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
+from tslightning.tasks.rewards import (
+    DEFAULT_REWARD_KEY,
+    EVERY_NAMED_REWARD,
+    RewardScheme,
+    choose_reward_key,
+    max_reward,
+)
 from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.task_steps import run_steps
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
@@ -104,12 +110,15 @@ def validate_task(
         task_dir: The task directory.
         scheme: Reward scheme the verdicts are reported in.
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
-        reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        reward_key: The named reward of ``reward.json`` read as the pass fraction; left at ``reward``, a verifier
+            that writes only named rewards passes when every one of them is full (``EVERY_NAMED_REWARD``).
         allow_internet: Let a task that allows the internet reach it (see ``TerminalTaskAttempt``).
         containers: The attempts run in a container engine (its name, or True for docker), which builds or pulls
             the images itself and runs helper containers with compose.
     """
     factory = make_attempt_sandbox or sandbox_factory()
+    if reward_key == DEFAULT_REWARD_KEY:
+        reward_key = EVERY_NAMED_REWARD
     try:
         task = TerminalTask.load(task_dir)
     except TaskFormatError as error:
@@ -280,8 +289,11 @@ def _reference_problems(reference: VerifierResult, scheme: RewardScheme) -> list
     if reference.passed:
         return []
     expected = max_reward(scheme)
+    reason = reference.reason
+    if reference.reading is not None and reference.reading.key == EVERY_NAMED_REWARD:
+        reason += f"; {choose_reward_key(reference.reading.named)} if not every one must be full"
     return [
-        f"reference solution scored {reference.reward:g} (expected {expected:g}): {reference.reason}\n"
+        f"reference solution scored {reference.reward:g} (expected {expected:g}): {reason}\n"
         f"    verifier output tail:\n{_indent(reference.output_tail(), '      ')}"
     ]
 
