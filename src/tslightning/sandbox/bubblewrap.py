@@ -145,6 +145,8 @@ class BubblewrapSandbox(Sandbox):
         if self._host_uid is not None and not owned:
             for host in root.writable.values():
                 chown_tree(Path(host), self._host_uid, self._host_uid)
+            for host in root.files.values():
+                os.chown(host, self._host_uid, self._host_uid, follow_symlinks=False)
         self.root = root
 
     def _launch(self, request: CommandRequest) -> Launch:

@@ -166,7 +166,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         launch = self._bwrap_launch(request, joined_network=joined)
         netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
         agents = [self.attempt.host_path(mount) for mount in mounts if mount in LIVE_MOUNTS]
-        agents += list(self.root.writable.values()) if self.root is not None else []
+        agents += [*self.root.writable.values(), *self.root.files.values()] if self.root is not None else []
         argv = beside_argv(self.verifier_uid, self._host_uid, netns, agents, launch.argv)
         pass_fds = (*launch.pass_fds, *([netns] if netns is not None else []))
         return replace(launch, argv=argv, user=None, pass_fds=pass_fds)
