@@ -8,13 +8,16 @@ from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them wit
 Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
 or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
 ``needs helper container``; see :mod:`~tslightning.tasks.environment_needs`), with the reason, and no attempt is run:
-a reference solution is never reported as failing when the environment is the cause. Build time (``-`` when the
-host stands in) and each attempt's set-up time (opening the environment until the agent could act) are reported.
+a reference solution is never reported as failing when the environment is the cause. A reference that fails after a
+write the read-only root refused (``mkdir /data``: a container's root is writable throughout) is ``needs image``.
+Build time (``-`` when the host stands in) and each attempt's set-up time (opening the environment until the agent
+could act) are reported.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -44,6 +47,7 @@ __all__ = [
     "format_table",
     "unmet_needs",
     "library_dir",
+    "read_only_writes",
     "sandbox_factory",
     "validate_task",
     "validate_tasks",
@@ -140,14 +144,44 @@ def validate_task(
         _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
     )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
+    refused = [] if reference.passed else read_only_writes(reference.output, reference.reason)
+    if refused:  # the environment, not the task, failed the reference: say so instead of "invalid"
+        problems.insert(0, _read_only_problem(refused))
     return TaskValidation(
         task.name,
         task.root,
         noop=noop,
         reference=reference,
         problems=tuple(problems),
+        needs="needs image" if refused else None,
         build_s=build_s,
         setup_s=(noop_setup + reference_setup) / 2,
+    )
+
+
+_READ_ONLY = re.compile(
+    r"\[Errno 30\] Read-only file system: '(/[^']*)'"  # Python's OSError
+    r"|[‘'](/[^'’]*)[’']: Read-only file system"  # coreutils: cannot create directory '/data' (or ‘/data’)
+    r"|(/[^\s:'\"’]+): Read-only file system"  # the shell: script: line 3: /etc/motd: ...
+)
+READ_ONLY_BY_DESIGN = ("/tests",)
+"""Read-only here and writable in Harbor's container, but only for caches (pytest's ``.pytest_cache`` warning)."""
+
+
+def read_only_writes(*outputs: str) -> list[str]:
+    """The paths ``outputs`` show a write refused with ``EROFS`` at (outside :data:`READ_ONLY_BY_DESIGN`): places a
+    container's writable root allows and this environment's read-only root does not (``/data`` at the top, ...)."""
+    matches = [match for text in outputs for match in _READ_ONLY.finditer(text)]
+    paths = [next(group for group in match.groups() if group) for match in matches]
+    allowed = [p for p in paths if not any(p == d or p.startswith(f"{d}/") for d in READ_ONLY_BY_DESIGN)]
+    return list(dict.fromkeys(allowed))
+
+
+def _read_only_problem(paths: list[str]) -> str:
+    return (
+        f"the reference's run wrote to {', '.join(paths)}, read-only here (an attempt writes /app, /tmp and, in a "
+        "built image, its own copies of the working directory, /root, /home, /var/tmp and /etc/hosts); a container's "
+        "root is writable throughout: it needs its image"
     )
 
 
