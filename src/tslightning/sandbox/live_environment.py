@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
@@ -45,7 +46,12 @@ from tslightning.sandbox.bubblewrap import (
 )
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
-from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, hand_over_to_verifier
+from tslightning.sandbox.live_verification import (
+    DEFAULT_VERIFIER_UID,
+    beside_argv,
+    environment_argv,
+    hand_over_to_verifier,
+)
 from tslightning.sandbox.result import CommandResult
 from tslightning.sandbox.supervision import CommandRequest, Launch
 
@@ -53,6 +59,9 @@ LIVE_MOUNTS: tuple[Mount, ...] = ("app", "oracle")
 """What the live environment shows; a command that needs more (a verifier's ``/tests``, ``/logs``) ends it."""
 START_TIMEOUT_S = 30.0
 END_TIMEOUT_S = 10.0
+STARTUP_SETTLE_S = 2.0
+"""Longest wait, once an environment with a start-up command has started, for that command to listen on a port."""
+_TCP_LISTEN = "0A"
 _TMPFS_POINTS = ("/tmp", "/dev/shm")
 
 _CLIENT = """\
@@ -242,22 +251,26 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
                     "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
-            options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed)
+            own_network = self._host_uid is not None and not self.network_for(False)
+            options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed, joined_network=own_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
             init.append(passed.data(marshal.dumps(environment)))
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
+            argv = [self._bwrap, "--args", options_fd, "--", *init]
+            if own_network:  # the root launcher makes the network (no privileged ports), then becomes the bwrap
+                argv = environment_argv(self._host_uid, argv)
             self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
             self._keeper = subprocess.Popen(
-                [self._bwrap, "--args", options_fd, "--", *init],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=self._keeper_log,
                 stderr=subprocess.STDOUT,
                 env={"PATH": DEFAULT_PATH},
                 start_new_session=True,
                 pass_fds=tuple(passed.fds),
-                user=self._host_uid,
-                group=self._host_uid,
-                extra_groups=[] if self._host_uid is not None else None,
+                user=None if own_network else self._host_uid,
+                group=None if own_network else self._host_uid,
+                extra_groups=[] if self._host_uid is not None and not own_network else None,
             )
         except BaseException:
             control.close()
@@ -268,6 +281,15 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         self._control = control
         self.starts += 1
         self._wait_started(started_read)
+        if self.startup is not None:
+            self._await_listener()
+
+    def _await_listener(self) -> None:
+        """Give a start-up command up to :data:`STARTUP_SETTLE_S` to listen on a port before the first command runs
+        (Harbor's agent set-up gives an image's service seconds; here the first command follows at once)."""
+        deadline = time.monotonic() + STARTUP_SETTLE_S
+        while self._keeper_pid is not None and not _listening(self._keeper_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _wait_started(self, started_read: int) -> None:
         try:
@@ -312,6 +334,18 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
 
     def close(self) -> None:
         self.end()
+
+
+def _listening(pid: int) -> bool:
+    """Whether a TCP socket listens in the network namespace of process ``pid`` (``/proc/PID/net/tcp``, ``tcp6``)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as sockets:
+                if any(line.split()[3:4] == [_TCP_LISTEN] for line in sockets.readlines()[1:]):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _first_child(pid: int) -> int | None:

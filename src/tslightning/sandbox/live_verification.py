@@ -95,4 +95,12 @@ def beside_argv(
     return [*argv, "--", *bwrap_argv]
 
 
-__all__ = ["DEFAULT_VERIFIER_UID", "LAUNCHER", "beside_argv", "hand_over_to_verifier"]
+def environment_argv(agent_uid: int, bwrap_argv: Sequence[str]) -> list[str]:
+    """The host command (run as root) that starts a live environment's bwrap as ``agent_uid`` in a network namespace
+    of its own: loopback up, every port bindable, as in a container (see
+    :mod:`~tslightning.sandbox.verifier_launcher`); ``bwrap_argv`` must not unshare the network itself."""
+    launcher = [sys.executable, "-I", "-S", "-B", str(LAUNCHER), "--new-net", "1"]
+    return [*launcher, "--uid", str(agent_uid), "--agent-uid", str(agent_uid), "--", *bwrap_argv]
+
+
+__all__ = ["DEFAULT_VERIFIER_UID", "LAUNCHER", "beside_argv", "environment_argv", "hand_over_to_verifier"]
