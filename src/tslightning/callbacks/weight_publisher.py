@@ -122,7 +122,7 @@ class WeightPublisher(UpdateCallback):
         keep = not shared or trainer.global_rank == 0  # sharing ranks: only the publisher keeps the gathered copy
         weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only(), keep=keep)
         if shared:
-            self._publish_to_shared_servers(trainer, weights, version)
+            publish_to_shared_servers(self.engine, weights, version, trainer.global_rank, self.timeout_s)
         elif self.every_rank:
             self._publish_from_every_rank(trainer, weights, version)
         else:
@@ -178,39 +178,9 @@ class WeightPublisher(UpdateCallback):
         if failed > 0:
             raise RolloutEngineError(f"{int(failed)} learner rank(s) failed to publish θ_{version}")
 
-    def _publish_to_shared_servers(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
-        """Rank 0 publishes to the servers every rank samples from, once each; the others follow its outcome.
-
-        The first agreement holds rank 0 until every rank finished sampling (no request of any rank is in flight
-        when the servers pause); the broadcast of rank 0's outcome is the second: no rank samples at ``version``
-        before every server acknowledged it, and every rank raises if the publication failed.
-        """
-        control_all_reduce(torch.zeros(1))  # every rank reached publication: its rollouts are done
-        outcome: Any = None
-        error: Exception | None = None
-        if trainer.global_rank == 0:
-            try:
-                self._publish(weights, version)
-                outcome = self.engine.served()
-            except Exception as exc:
-                outcome, error = f"{type(exc).__name__}: {exc}", exc
-        outcome = control_broadcast(outcome, src=0)
-        if error is not None:
-            raise error
-        if isinstance(outcome, str):
-            raise RolloutEngineError(f"global rank 0 failed to publish θ_{version} to the shared servers: {outcome}")
-        if trainer.global_rank != 0:
-            self.engine.follow(outcome)
-
     def _publish(self, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> PublishReceipt:
         state = weights()
-        receipt = _wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version)
-        if receipt.policy_version != version:
-            raise RolloutEngineError(
-                f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
-                "may serve another policy: close the engine and start another"
-            )
-        return receipt
+        return _checked(_wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version), version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"published_version": self.published_version, "publications": self.publications}
@@ -218,6 +188,47 @@ class WeightPublisher(UpdateCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.published_version = state_dict["published_version"]
         self.publications = state_dict["publications"]
+
+
+def publish_to_shared_servers(
+    engine: Any, weights: Callable[[], dict[str, torch.Tensor]], version: int, rank: int, timeout_s: float | None = None
+) -> None:
+    """Every learner rank calls this: global rank 0's engine publishes ``weights()`` at ``version`` to the servers
+    all ranks sample from, once each; the other ranks' engines then ``follow`` what it reports serving.
+
+    The first agreement holds rank 0 until every rank finished sampling (no request of any rank is in flight when the
+    servers pause); the broadcast of rank 0's outcome is the second: no rank samples at ``version`` before every
+    server acknowledged it, and every rank raises if the publication failed.
+
+    Raises:
+        RolloutEngineError: On every rank if rank 0's publication failed (rank 0 raises its own error).
+    """
+    control_all_reduce(torch.zeros(1))  # every rank reached publication: its rollouts are done
+    outcome: Any = None
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            state = weights()
+            _checked(_wait_for(lambda: engine.publish(state, version), timeout_s, version), version)
+            outcome = engine.served()
+        except Exception as exc:
+            outcome, error = f"{type(exc).__name__}: {exc}", exc
+    outcome = control_broadcast(outcome, src=0)
+    if error is not None:
+        raise error
+    if isinstance(outcome, str):
+        raise RolloutEngineError(f"global rank 0 failed to publish θ_{version} to the shared servers: {outcome}")
+    if rank != 0:
+        engine.follow(outcome)
+
+
+def _checked(receipt: PublishReceipt, version: int) -> PublishReceipt:
+    if receipt.policy_version != version:
+        raise RolloutEngineError(
+            f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
+            "may serve another policy: close the engine and start another"
+        )
+    return receipt
 
 
 def full_weights(
