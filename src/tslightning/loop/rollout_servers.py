@@ -40,9 +40,10 @@ def _share_servers(rollout: RolloutSettings, policy_dir: Path, dtype: str, conte
             engine = _start_engine(rollout, policy_dir, dtype, context, adapter, sharing="publisher")
         except Exception as raised:
             error = raised
-    started = control_broadcast(
-        (engine.urls, engine.served()) if engine is not None else f"{type(error).__name__}: {error}"
-    )
+    outcome = None  # the other ranks' value: ignored by the broadcast
+    if rank == 0:
+        outcome = (engine.urls, engine.served()) if engine is not None else f"{type(error).__name__}: {error}"
+    started = control_broadcast(outcome)
     if error is not None:
         raise error
     if isinstance(started, str):
