@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import requests
 import torch
 import yaml
@@ -71,10 +72,12 @@ def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_ser
 SHARED_UPDATES = 2
 
 
-def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_update(vllm_server, tmp_path):
-    """``--learner.devices 2`` (ddp, gloo) on one server: each rank samples its share there, θ_0 and each θ_{k+1} are
-    published once (the server's log counts the pauses and transfers), every token is sampled at its update's version,
-    and both ranks end with one model, the sync replay of the union of their recorded batches."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_update(vllm_server, tmp_path, strategy):
+    """``--learner.devices 2`` (gloo) on one server: each rank samples its share there, θ_0 and each θ_{k+1} are
+    published once (the server's log counts the pauses and transfers; under FSDP2 both ranks gather, rank 0 sends),
+    every token is sampled at its update's version, and both ranks end with one model, the sync replay of the union
+    of their recorded batches."""
     out = tmp_path / "run"
     routes = ("POST /pause", "POST /finish_weight_update", "POST /init_weight_transfer_engine")
     before = [_server_log_count(vllm_server.log, route) for route in routes]
@@ -82,7 +85,7 @@ def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_upd
     command = [
         sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
         "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]", "--learner.devices", "2",
-        "--learner.strategy", "ddp", "--updates", str(SHARED_UPDATES), "--warm_start.steps", "300",
+        "--learner.strategy", strategy, "--updates", str(SHARED_UPDATES), "--warm_start.steps", "300",
         "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false", "--record_batches", "true",
         "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
     ]  # fmt: skip
