@@ -438,6 +438,16 @@ class VLLMServerEngine(QueuedEngine):
             session = self._local.session = requests.Session()
         try:
             response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
+        except requests.ConnectionError as error:
+            if not answers(url):
+                raise ServerGone(f"vLLM server {url} stopped answering ({type(error).__name__}: {error})") from None
+            # A kept-alive connection the server closed as it was reused (it answers /health): once more on a new
+            # connection, under a new id (the same seed and version: the same tokens).
+            body = {**body, "request_id": f"{body['request_id']}-resent"}
+            try:
+                response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
+            except requests.RequestException as again:
+                raise ServerGone(f"vLLM server {url} stopped answering ({type(again).__name__}: {again})") from None
         except requests.RequestException as error:
             raise ServerGone(f"vLLM server {url} stopped answering ({type(error).__name__}: {error})") from None
         if response.status_code != 200:
