@@ -16,7 +16,7 @@ import pytest
 
 import tslightning.sandbox
 from tslightning.sandbox import AttemptDirectory
-from tslightning.sandbox.attempt_parent import PREFIX, attempt_parent, remove_stale_parents
+from tslightning.sandbox.attempt_parent import ATTEMPT_DIR_VARIABLE, PREFIX, attempt_parent, remove_stale_parents
 
 OPEN_AND_WAIT = textwrap.dedent(
     """
@@ -85,3 +85,10 @@ def test_a_process_that_exits_leaves_no_attempt_behind_even_one_it_never_closed(
     assert process.wait(timeout=30) == 0
     assert attempt.parent.name.startswith(PREFIX) and not attempt.parent.exists()
     assert [path.name for path in temp_dir.iterdir()] == []
+
+
+def test_the_attempt_dir_variable_moves_the_attempts(tmp_path, monkeypatch):
+    monkeypatch.setenv(ATTEMPT_DIR_VARIABLE, str(tmp_path / "fast"))
+    (tmp_path / "fast").mkdir()
+    with AttemptDirectory() as attempt:
+        assert attempt.root.parent.parent == (tmp_path / "fast").resolve()

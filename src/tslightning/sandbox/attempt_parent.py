@@ -3,12 +3,12 @@ by the next process when it was killed.
 
 A trainer killed by ``SIGKILL`` (an out-of-memory kill, a preempted job, ``kill -9``) runs no clean-up: its attempts'
 copies of task environments would stay in the temp directory for ever, run after run, on a node other users share.
-So every process puts its attempt directories under one parent of its own, ``<temp dir>/tsl-attempts-<id>``, and
-holds an exclusive ``flock`` on it as long as it lives; the kernel releases the lock however the process ends. The
-parent is removed when the process exits normally, and the first attempt of any later process (``fit``, ``tasks
-validate``, a test session: anything that opens an attempt) removes every such parent of the same user whose lock
-is free: its process is gone. Parents of live processes are never touched (their lock is held), nor those of other
-users (not ours to remove).
+So every process puts its attempt directories under one parent of its own, ``<base>/tsl-attempts-<id>`` (base:
+``$TSLIGHTNING_ATTEMPT_DIR``, else the system temp directory), and holds an exclusive ``flock`` on it as long as it
+lives; the kernel releases the lock however the process ends. The parent is removed when the process exits normally,
+and the first attempt of any later process (``fit``, ``tasks validate``, a test session: anything that opens an
+attempt) removes every such parent of the same user whose lock is free: its process is gone. Parents of live
+processes are never touched (their lock is held), nor those of other users (not ours to remove).
 
 The parent is owned by the trainer, mode ``0711``: the sandbox's uid (and the verifier's) can traverse it to reach
 their attempt, as they need to, but not list it, so no agent learns the paths of the other attempts.
@@ -28,6 +28,8 @@ from tslightning.sandbox.file_tree import remove_tree
 
 PREFIX = "tsl-attempts-"
 """Name prefix of the per-process parents in the temp directory."""
+ATTEMPT_DIR_VARIABLE = "TSLIGHTNING_ATTEMPT_DIR"
+"""Environment variable naming the directory attempts are created in (default: the system temp directory)."""
 _MODE = 0o711
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -37,13 +39,13 @@ _held: dict[str, tuple[int, int, Path]] = {}
 
 
 def attempt_parent(base: str | os.PathLike[str] | None = None) -> Path:
-    """This process's parent of attempt directories under ``base`` (default: the system temp directory), created
-    (after removing the parents of dead processes) on first use.
+    """This process's parent of attempt directories under ``base`` (default: :func:`attempts_base`), created (after
+    removing the parents of dead processes) on first use.
 
     Raises:
         OSError: the parent cannot be created in ``base``.
     """
-    base = os.path.realpath(base or tempfile.gettempdir())
+    base = os.path.realpath(base or attempts_base())
     with _lock:
         held = _held.get(base)
         if held is not None and held[0] == os.getpid():
@@ -52,6 +54,12 @@ def attempt_parent(base: str | os.PathLike[str] | None = None) -> Path:
         descriptor, parent = _create(base)
         _held[base] = (os.getpid(), descriptor, parent)
         return parent
+
+
+def attempts_base() -> str:
+    """Where the per-process parents go: ``$TSLIGHTNING_ATTEMPT_DIR``, else the system temp directory (``$TMPDIR``,
+    else ``/tmp``). Every directory above it must be traversable by the sandbox's uid."""
+    return os.environ.get(ATTEMPT_DIR_VARIABLE) or tempfile.gettempdir()
 
 
 def remove_stale_parents(base: str | os.PathLike[str]) -> list[Path]:
@@ -112,4 +120,4 @@ def _remove_own_parents() -> None:
             os.close(descriptor)
 
 
-__all__ = ["PREFIX", "attempt_parent", "remove_stale_parents"]
+__all__ = ["ATTEMPT_DIR_VARIABLE", "PREFIX", "attempt_parent", "attempts_base", "remove_stale_parents"]
