@@ -39,6 +39,7 @@ def temp_dir(tmp_path, monkeypatch):
     """A private temp directory for this test and the processes it starts (``tempfile`` honours ``TMPDIR``)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv(ATTEMPT_DIR_VARIABLE, raising=False)
     return tmp_path
 
 
