@@ -176,7 +176,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.prefetch = (
             EnvironmentPrefetch(attempt_factory, prefetch_environments, self.cpus) if prefetch_environments else None
         )
-        self.setup = EnvironmentSetup(attempt_factory, self.cpus)
+        self.environment_setup = EnvironmentSetup(attempt_factory, self.cpus)
         """Opens and closes the attempts' environments on threads of their own, off the agent loop."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
@@ -312,11 +312,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     async def _continuous_attempt(self, slot: int, group_id: str, task: RolloutTask, index: int, gate):
         async with gate:
-            prepared = await self.setup.open(task)
+            prepared = await self.environment_setup.open(task)
             try:
                 return await self.agent.run(task.task_id, task.instruction, prepared.attempt, group_id, index, slot)
             finally:
-                await self.setup.close(prepared)
+                await self.environment_setup.close(prepared)
 
     def _task_for_slot(self, slot: int) -> RolloutTask:
         epoch, position = divmod(slot, len(self.tasks))
@@ -365,7 +365,7 @@ class RolloutDataModule(L.LightningDataModule):
         start = time.perf_counter()
         future = self.prefetch.take(update, task) if self.prefetch is not None else None
         ready = future is not None and future.done()
-        prepared = await (wait_for_prepared(future) if future is not None else self.setup.open(task))
+        prepared = await (wait_for_prepared(future) if future is not None else self.environment_setup.open(task))
         waited = time.perf_counter() - start
         self.environment_log.append(EnvironmentRecord(update, group_id, index, future is not None, ready, waited))
         return prepared
@@ -387,7 +387,7 @@ class RolloutDataModule(L.LightningDataModule):
         end)."""
         if self.prefetch is not None:
             self.prefetch.close()
-        self.setup.shutdown()
+        self.environment_setup.shutdown()
 
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
@@ -417,7 +417,7 @@ class RolloutDataModule(L.LightningDataModule):
                     task.task_id, task.instruction, prepared.attempt, group_id, index, update, on_turn
                 )
             finally:
-                await self.setup.close(prepared)
+                await self.environment_setup.close(prepared)
         if self.objective is Objective.GRPO:
             emit(trajectory.trajectory_source())
         else:
