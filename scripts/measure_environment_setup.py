@@ -50,7 +50,8 @@ def one_attempt(factory, task) -> tuple[float, float, float]:
 def leftovers(uid: int) -> dict[str, int]:
     """What the machine holds now: processes of ``uid``, attempt directories, dentries, dirty + writeback KiB."""
     processes = sum(1 for status in Path("/proc").glob("[0-9]*/status") if _uid_of(status) == uid)
-    directories = len(list(Path(tempfile.gettempdir()).glob("tsl-attempt-*")))
+    temp = Path(tempfile.gettempdir())
+    directories = len([*temp.glob("tsl-attempt-*"), *temp.glob("tsl-attempts-*/tsl-attempt-*")])
     dentries = int(Path("/proc/sys/fs/dentry-state").read_text().split()[0])
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     dirty = sum(int(meminfo[key].split()[0]) for key in ("Dirty", "Writeback"))

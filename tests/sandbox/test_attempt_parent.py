@@ -16,7 +16,7 @@ import pytest
 
 import tslightning.sandbox
 from tslightning.sandbox import AttemptDirectory
-from tslightning.sandbox.attempt_parent import ATTEMPT_DIR_VARIABLE, PREFIX, attempt_parent, remove_stale_parents
+from tslightning.sandbox.attempt_parent import PREFIX, attempt_parent, remove_stale_parents
 
 OPEN_AND_WAIT = textwrap.dedent(
     """
@@ -39,7 +39,6 @@ def temp_dir(tmp_path, monkeypatch):
     """A private temp directory for this test and the processes it starts (``tempfile`` honours ``TMPDIR``)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.delenv(ATTEMPT_DIR_VARIABLE, raising=False)
     return tmp_path
 
 
@@ -86,10 +85,3 @@ def test_a_process_that_exits_leaves_no_attempt_behind_even_one_it_never_closed(
     assert process.wait(timeout=30) == 0
     assert attempt.parent.name.startswith(PREFIX) and not attempt.parent.exists()
     assert [path.name for path in temp_dir.iterdir()] == []
-
-
-def test_the_attempt_dir_variable_moves_the_attempts(tmp_path, monkeypatch):
-    monkeypatch.setenv(ATTEMPT_DIR_VARIABLE, str(tmp_path / "fast"))
-    (tmp_path / "fast").mkdir()
-    with AttemptDirectory() as attempt:
-        assert attempt.root.parent.parent == (tmp_path / "fast").resolve()
