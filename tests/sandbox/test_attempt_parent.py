@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import fcntl
 import os
 import signal
@@ -85,3 +86,23 @@ def test_a_process_that_exits_leaves_no_attempt_behind_even_one_it_never_closed(
     assert process.wait(timeout=30) == 0
     assert attempt.parent.name.startswith(PREFIX) and not attempt.parent.exists()
     assert [path.name for path in temp_dir.iterdir()] == []
+
+
+def _flags(path: Path) -> int | None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(descriptor, 0x80086601, flags, True)  # FS_IOC_GETFLAGS
+        return flags[0]
+    except OSError:
+        return None  # a file system without inode flags (tmpfs)
+    finally:
+        os.close(descriptor)
+
+
+def test_on_ext4_the_parent_spreads_its_attempts_over_block_groups(temp_dir):
+    """ext4 without a journal scans past recently freed inodes of a group at every allocation: attempts that copy and
+    remove thousands of files must not all churn the parent's group (``chattr +T``: Orlov places each apart)."""
+    if _flags(temp_dir) is None:
+        pytest.skip(f"{temp_dir} has no inode flags (not ext4)")
+    assert _flags(attempt_parent()) & 0x00020000  # FS_TOPDIR_FL
