@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 
 from tslightning.rollout.core_placement import place_this_thread
-from tslightning.rollout.environment_prefetch import PreparedEnvironment, close_prepared
+from tslightning.rollout.environment_prefetch import PreparedEnvironment, close_prepared, open_prepared
 
 MAX_SETUP_THREADS = 8
 """Most environments set up or closed at once: set-up is file copying and process starts, which more threads than
@@ -59,7 +58,7 @@ class EnvironmentSetup:
         Raises:
             Exception: what the attempt factory raised (nothing is left open).
         """
-        return await wait_for_prepared(self._threads().submit(self._open, task))
+        return await wait_for_prepared(self._threads().submit(open_prepared, self.attempt_factory, task))
 
     async def close(self, prepared: PreparedEnvironment) -> None:
         """Close ``prepared`` on a set-up thread. A cancelled caller stops waiting, the close itself completes.
@@ -86,16 +85,6 @@ class EnvironmentSetup:
                     initargs=() if self.cpus is None else (self.cpus,),
                 )
             return self._pool
-
-    def _open(self, task) -> PreparedEnvironment:
-        start = time.perf_counter()
-        stack = ExitStack()
-        try:
-            attempt = stack.enter_context(self.attempt_factory(task))
-        except BaseException:
-            stack.close()
-            raise
-        return PreparedEnvironment(attempt, stack, time.perf_counter() - start)
 
 
 async def wait_for_prepared(future: Future[PreparedEnvironment]) -> PreparedEnvironment:
