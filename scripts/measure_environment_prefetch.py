@@ -6,7 +6,8 @@ one-turn attempts per update) on image-lite tasks whose attempt set-up takes abo
 with ``rollout.prefetch_environments 0`` and once with it on, each in its own process, one after the other
 (``--repeats``: alternating order, ABBA, which cancels a linear drift of the machine's speed). Per update it prints
 the step wall time and the seconds the update's attempts waited for their environments
-(``rollout/environment_wait_s``: set-up on the rollout's critical path), and over the updates after the first
+(``rollout/environment_wait_s``: set-up on the attempts' critical paths, summed over the attempts; set-ups run on
+threads, several at once, so waits overlap and the sum can exceed the step), and over the updates after the first
 (update 0 has nothing prefetched) the mean of each and what prefetch saved per update.
 
 Needs the image-lite builder (root, mmdebstrap, bwrap); the image is built once into the cache directory.

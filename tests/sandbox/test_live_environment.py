@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tslightning.sandbox import AttemptDirectory, LiveBubblewrapSandbox, SandboxLimits, make_sandbox
@@ -69,6 +72,26 @@ def test_closing_ends_every_process(live):
     live.close()
     assert keeper.poll() is not None and not live.live
     live.close()  # idempotent
+
+
+def _in_namespace(namespace: str) -> list[int]:
+    """Host pids of the processes in pid namespace ``namespace`` (as ``readlink /proc/PID/ns/pid`` names it)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(entry / "ns" / "pid") == namespace:
+                found.append(int(entry.name))
+        except OSError:
+            pass  # exited meanwhile, or another user's
+    return found
+
+
+def test_no_process_of_the_environment_outlives_its_close(live):
+    live.run("sleep 300 & (setsid sleep 301 &); nohup sleep 302 > /dev/null 2>&1 & disown")
+    namespace = os.readlink(f"/proc/{live._keeper_pid}/ns/pid")
+    assert len(_in_namespace(namespace)) >= 4  # its pid 1 and the three sleeps, however detached
+    live.close()
+    assert _in_namespace(namespace) == []
 
 
 def test_the_network_is_the_hosts_only_where_allowed(live):

@@ -37,7 +37,7 @@ class PreparedEnvironment:
     Attributes:
         attempt: The entered attempt.
         exit_stack: Closes the attempt (its sandbox, its directory).
-        setup_s: Seconds its set-up took on the prefetch thread.
+        setup_s: Seconds its set-up took on its set-up thread.
     """
 
     attempt: object
@@ -125,16 +125,22 @@ class EnvironmentPrefetch:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _open(self, task) -> PreparedEnvironment:
-        start = time.perf_counter()
-        stack = ExitStack()
-        try:
-            attempt = stack.enter_context(self.attempt_factory(task))
-        except BaseException:
-            stack.close()
-            raise
+        prepared = open_prepared(self.attempt_factory, task)
         with self._lock:
             self.prepared += 1
-        return PreparedEnvironment(attempt, stack, time.perf_counter() - start)
+        return prepared
+
+
+def open_prepared(attempt_factory: Callable[[object], AbstractContextManager], task) -> PreparedEnvironment:
+    """Open a fresh environment of ``task`` on the calling thread (a failed set-up leaves nothing open)."""
+    start = time.perf_counter()
+    stack = ExitStack()
+    try:
+        attempt = stack.enter_context(attempt_factory(task))
+    except BaseException:
+        stack.close()
+        raise
+    return PreparedEnvironment(attempt, stack, time.perf_counter() - start)
 
 
 def close_prepared(future: Future[PreparedEnvironment]) -> None:

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +27,8 @@ from tslightning.core.sources import BatchClosed, GroupClosed, StreamItem, Traje
 from tslightning.distributed.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import RolloutEngine
-from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, PreparedEnvironment, close_prepared
+from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, PreparedEnvironment
+from tslightning.rollout.environment_setup import EnvironmentSetup, wait_for_prepared
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.rollout.tool_threads import run_with_tool_threads
@@ -175,6 +176,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.prefetch = (
             EnvironmentPrefetch(attempt_factory, prefetch_environments, self.cpus) if prefetch_environments else None
         )
+        self.environment_setup = EnvironmentSetup(attempt_factory, self.cpus)
+        """Opens and closes the attempts' environments on threads of their own, off the agent loop."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
@@ -309,8 +312,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     async def _continuous_attempt(self, slot: int, group_id: str, task: RolloutTask, index: int, gate):
         async with gate:
-            with self.attempt_factory(task) as attempt:
-                return await self.agent.run(task.task_id, task.instruction, attempt, group_id, index, slot)
+            prepared = await self.environment_setup.open(task)
+            try:
+                return await self.agent.run(task.task_id, task.instruction, prepared.attempt, group_id, index, slot)
+            finally:
+                await self.environment_setup.close(prepared)
 
     def _task_for_slot(self, slot: int) -> RolloutTask:
         epoch, position = divmod(slot, len(self.tasks))
@@ -359,23 +365,16 @@ class RolloutDataModule(L.LightningDataModule):
         start = time.perf_counter()
         future = self.prefetch.take(update, task) if self.prefetch is not None else None
         ready = future is not None and future.done()
-        if future is not None:
-            try:
-                prepared = await asyncio.wrap_future(future)
-            except BaseException:  # cancelled while it was opening: it is closed once open, never left behind
-                future.add_done_callback(close_prepared)
-                raise
-        else:
-            stack = ExitStack()
-            prepared = PreparedEnvironment(stack.enter_context(self.attempt_factory(task)), stack, 0.0)
+        prepared = await (wait_for_prepared(future) if future is not None else self.environment_setup.open(task))
         waited = time.perf_counter() - start
         self.environment_log.append(EnvironmentRecord(update, group_id, index, future is not None, ready, waited))
         return prepared
 
     def environment_seconds(self, update: int) -> float:
-        """Seconds update ``update``'s attempts waited for their environments, summed over the attempts (a fresh
-        set-up blocks the agent loop, so its waits add up; attempts waiting at once for prefetched environments
-        still being opened overlap, so the sum can then exceed the wall time)."""
+        """Seconds update ``update``'s attempts waited for their environments, summed over the attempts. Set-ups
+        run on threads, several at once, while the other attempts' turns go on, so waits of attempts set up at once
+        overlap and the sum can exceed the wall time; it is the set-up on the attempts' critical paths, not on the
+        update's."""
         return sum(r.wait_s for r in self.environment_log if r.update == update)
 
     def prefetched_environments(self, update: int) -> int:
@@ -384,9 +383,11 @@ class RolloutDataModule(L.LightningDataModule):
         return sum(r.prefetched for r in self.environment_log if r.update == update)
 
     def teardown(self, stage: str) -> None:
-        """Close every prefetched environment no attempt took, and the prefetch threads (the run's end)."""
+        """Close every prefetched environment no attempt took, and the prefetch and set-up threads (the run's
+        end)."""
         if self.prefetch is not None:
             self.prefetch.close()
+        self.environment_setup.shutdown()
 
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
@@ -411,10 +412,12 @@ class RolloutDataModule(L.LightningDataModule):
 
         async with gate:
             prepared = await self._open_attempt(update, group_id, index, task)
-            with prepared.exit_stack:
+            try:
                 trajectory = await self.agent.run(
                     task.task_id, task.instruction, prepared.attempt, group_id, index, update, on_turn
                 )
+            finally:
+                await self.environment_setup.close(prepared)
         if self.objective is Objective.GRPO:
             emit(trajectory.trajectory_source())
         else:

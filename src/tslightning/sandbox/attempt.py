@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Literal
 
+from tslightning.sandbox.attempt_parent import attempt_parent
 from tslightning.sandbox.file_tree import remove_tree
 
 Mount = Literal["app", "tests", "logs", "oracle"]
@@ -34,8 +35,10 @@ class AttemptDirectory:
     Args:
         environment: a task's environment directory; its contents are copied into ``app/`` (symlinks are copied
             as symlinks). None leaves ``app/`` empty.
-        parent: where to create the attempt (default: the system temp dir). Sandboxes that drop privileges need
-            every directory above it to be traversable by their uid (``/tmp`` is).
+        parent: where to create the attempt (default: this process's parent in the system temp dir,
+            :func:`~tslightning.sandbox.attempt_parent.attempt_parent`, which the next process removes if this one
+            is killed). Sandboxes that drop privileges need every directory above it to be traversable by their uid
+            (``/tmp`` and that parent are).
         hidden: host directories no command of this attempt may see even where the sandbox shows the host's system
             directories (e.g. the task's own directory, with its tests and reference solution, when it is
             installed under ``/usr``).
@@ -54,6 +57,7 @@ class AttemptDirectory:
         if environment is not None and not Path(environment).is_dir():
             raise FileNotFoundError(f"task environment directory {str(environment)!r} does not exist")
         self.hidden: tuple[Path, ...] = tuple(Path(path) for path in hidden)
+        parent = parent if parent is not None else attempt_parent()
         self._root: Path | None = Path(tempfile.mkdtemp(prefix="tsl-attempt-", dir=parent))
         try:
             for subdir in _HOST_SUBDIRS.values():
