@@ -195,7 +195,8 @@ def test_a_continuous_schedule_is_refused(tmp_path, schedule):
 def test_recording_into_the_replayed_directory_is_refused(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(ValueError) as refused:
-        cli.main(["fit", *SMALL, f"--replay_batches={out / 'batches'}", "--record_batches=true", f"--out_dir={out}", "--debug"])
+        replay = f"--replay_batches={out / 'batches'}"
+        cli.main(["fit", *SMALL, replay, "--record_batches=true", f"--out_dir={out}", "--debug"])
     assert "is where record_batches would write this run's batches" in str(refused.value)
     assert not out.exists()
 
