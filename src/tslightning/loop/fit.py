@@ -68,6 +68,8 @@ from tslightning.loop.updates import (
     rollout_outcome,
 )
 from tslightning.measure.timeline import plot_timeline
+from tslightning.rollout.engine import RolloutEngine
+from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 
 def fit(
@@ -243,7 +245,7 @@ def _start_rollout(
     learner: LearnerSettings,
     resume: str | None,
     **unused,
-) -> tuple:
+) -> tuple[RolloutEngine, RolloutDataModule]:
     """This rank's rollout engine (and OPD teacher) serving ``policy_dir``, and the rollout DataModule streaming its
     share of each batch from them; both are closed when ``started`` unwinds."""
     with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
