@@ -183,6 +183,22 @@ def test_a_half_written_file_is_refused(tmp_path):
     assert f"{batch_file(recording, 0, 1)} cannot be read" in _refused(tmp_path, recording)
 
 
+class _Planted:
+    """An object a recorded file must not build (unpickling it would run this module's code)."""
+
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_a_file_holding_anything_but_stream_items_is_refused_unread(tmp_path, capsys):
+    recording = tmp_path / "batches"
+    _record(recording, 0, 0)
+    torch.save([BatchPlan(Objective.GRPO, 1, {"g": 2}), _Planted()], batch_file(recording, 0, 1))
+    message = _refused(tmp_path, recording)
+    assert f"{batch_file(recording, 0, 1)} cannot be read (UnpicklingError" in message
+    assert "unpickled" not in capsys.readouterr().out  # the weights-only unpickler built nothing it does not allow
+
+
 @pytest.mark.parametrize("schedule", ["async", "fully_async"])
 def test_a_continuous_schedule_is_refused(tmp_path, schedule):
     recording = tmp_path / "batches"

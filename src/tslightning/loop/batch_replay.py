@@ -28,12 +28,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from tslightning.core.batch_registry import BatchPlan, Objective
 from tslightning.core.sources import BatchClosed, StreamItem, TrajectorySource
 from tslightning.distributed.learner_strategy import LearnerSettings
-from tslightning.loop.batch_recording import batch_file
+from tslightning.loop.batch_recording import batch_file, read_batch
 from tslightning.loop.updates import RolloutOutcome
 
 _BATCH_FILE = re.compile(r"rank(\d+)-update(\d+)\.pt")
@@ -54,7 +52,7 @@ class RecordedBatches:
 
     def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
         """Update ``update``'s recorded items in the recorded order: its plan, sources, events, ``BatchClosed``."""
-        items = torch.load(batch_file(self.directory, self.rank, update), weights_only=False)
+        items = read_batch(batch_file(self.directory, self.rank, update))
         self._items[update] = items
         yield from items
 
@@ -155,7 +153,7 @@ def _file_problem(directory: Path, rank: int, update: int, objective: Objective,
     """What keeps rank ``rank``'s recorded update ``update`` from being replayed as update ``update`` at θ_update."""
     path = batch_file(directory, rank, update)
     try:
-        items = torch.load(path, weights_only=False)
+        items = read_batch(path)
     except Exception as error:  # a file a killed run left half-written, or not a recording
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
         return f"replay_batches: {path} cannot be read ({reason}); record the update again"
