@@ -3,8 +3,10 @@
 ``fit --record_batches true`` saves, per learner rank and update, the stream items in the order the rank ingested
 them — its :class:`~tslightning.core.batch_registry.BatchPlan`, its sources (token ids, masks, rewards or teacher
 log-probs, policy versions) and the completion events — as ``<out_dir>/batches/rank<r>-update<k>.pt``
-(``torch.save`` of a list; :func:`read_batch` reads one back with torch's weights-only unpickler). Replaying the union of every rank's items with the batch-synchronous learner from the
-same θ_k gives the update the run took (tests/distributed check this across ranks).
+(``torch.save`` of a list; :func:`read_batch` reads one back with torch's weights-only unpickler). Replaying the
+union of every rank's items with the batch-synchronous learner from the same θ_k gives the update the run took
+(tests/distributed check this across ranks); ``fit --replay_batches`` replays each rank's own items
+(:mod:`tslightning.loop.batch_replay`).
 """
 
 from __future__ import annotations
