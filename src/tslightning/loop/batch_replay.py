@@ -12,7 +12,8 @@ published to no replica (no ``timing_s/update_weights``; MFU and checkpoints cou
 come from the recorded sources (:meth:`RecordedBatches.outcome`): ``train/mean_reward`` is the mean reward of this
 update's recorded GRPO trajectories over every rank; OPD turn sources hold neither a reward nor the sampled
 log-probs, so an OPD replay logs no reward (``NaN`` in ``rewards.json``) and no teacher gap. Environment metrics
-(``rollout/environment_wait_s``, ...) are not logged: no environment is opened.
+(``rollout/environment_wait_s``, ...) are not logged: no environment is opened; the release trace holds the
+learner's service intervals without ready times (nothing became ready).
 
 A recording replays when (:func:`replay_problems`, before anything is written): it holds a file for every rank and
 every update ``0 … updates−1``, recorded on this run's world size, with this run's objective and GRPO group layout
