@@ -61,7 +61,8 @@ def _assert_bitwise_equal_and_moved(replayed: Path, recorded: Path) -> None:
     assert not differing, f"{len(differing)} tensor(s) differ from the recorded run's, e.g. {differing[:3]}"
     assert all(t.dtype == torch.float64 for t in theta.values())
     initial, _ = load_tiny_model(recorded / "policy-0")
-    moved = [name for name, tensor in initial.state_dict().items() if not torch.equal(theta[f"policy.{name}"], tensor)]
+    theta0 = {f"policy.{name}": tensor.double() for name, tensor in initial.state_dict().items()}  # float32 saved
+    moved = [name for name, tensor in theta0.items() if not torch.equal(theta[name], tensor)]
     assert moved  # the updates moved θ: the comparison is not vacuous
 
 
