@@ -9,8 +9,8 @@ strategies or precisions on the same data, or reproduces a divergence without th
 No rollout engine and no OPD teacher is started: the recorded items are the rollout. Nothing serves the policy, so
 ``fit`` installs no :class:`~tslightning.callbacks.WeightPublisher` and says so when the replay starts: θ_{k+1} is
 published to no replica (``timing_s/update_weights`` is 0; MFU and checkpoints count no publication). The rollout
-metrics come from the recorded sources (:meth:`RecordedBatches.outcome`): ``train/mean_reward`` is the mean reward of this
-update's recorded GRPO trajectories over every rank; OPD turn sources hold neither a reward nor the sampled
+metrics come from the recorded sources (:meth:`RecordedBatches.outcome`): ``train/mean_reward`` is the mean reward of
+this update's recorded GRPO trajectories over every rank; OPD turn sources hold neither a reward nor the sampled
 log-probs, so an OPD replay logs no reward (``NaN`` in ``rewards.json``) and no teacher gap. Environment metrics
 (``rollout/environment_wait_s``, ...) are not logged: no environment is opened; the release trace holds the
 learner's service intervals without ready times (nothing became ready).
