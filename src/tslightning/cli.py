@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper, set_parsing_settings
@@ -20,13 +20,13 @@ from tslightning.commands.plan import plan_report
 from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
-from tslightning.loop.fit import RolloutSettings, fit
+from tslightning.loop.fit import fit
 from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.run_config import yaml_text
 from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters
 from tslightning.measure.memory_plan import plan_learner_memory
-from tslightning.sandbox import Backend, SandboxUnavailableError
+from tslightning.sandbox import SandboxUnavailableError
 
 _BARE_FLAGS = ("--json", "--overwrite")
 
@@ -59,59 +59,20 @@ def verify(
         sys.exit(1)
 
 
-def validate(
-    checkpoint: str,
-    tasks: str | None = None,
-    split: Literal["train", "dev", "all"] = "dev",
-    dev_fraction: float = RolloutSettings.dev_fraction,
-    attempts: int = 3,
-    k: Sequence[int] = (1, 3),
-    engine: Literal["hf", "vllm"] = "hf",
-    seed: int = 0,
-    max_turns: int = RolloutSettings.max_turns,
-    max_tokens_per_turn: int = RolloutSettings.max_tokens_per_turn,
-    max_tokens_per_trajectory: int = RolloutSettings.max_tokens_per_trajectory,
-    observation_head_tokens: int = RolloutSettings.observation_head_tokens,
-    observation_tail_tokens: int = RolloutSettings.observation_tail_tokens,
-    max_concurrent_attempts: int = RolloutSettings.max_concurrent_attempts,
-    replicas: int = 1,
-    dtype: Literal["float32", "bfloat16"] = "float32",
-    backend: Backend = "bubblewrap",
-    out: str | None = None,
-    json: bool = False,
-) -> None:
+def validate(json: bool = False, **options: Any) -> None:
     """Estimate a checkpoint's pass@k on held-out tasks (App. E.2; Eq. 31).
 
     Usage: ``tslightning validate --checkpoint DIR [--tasks DIR] [--split dev] [--attempts 3] [--k '[1,3]']``.
     Runs ``attempts`` independent attempts per task, each in a fresh sandbox with a fresh agent history; an attempt
     succeeds when the verifier passes every test. Prints per-task n, c and pass@k, then the mean over tasks.
-    Exits 2 on a bad argument, a checkpoint without a policy, or an unavailable sandbox.
+    Exits 2 on a bad argument, a checkpoint without a policy, or an unavailable sandbox. The options are those of
+    ``tslightning.commands.evaluation.validate`` (jsonargparse follows ``**options`` there).
 
     Args:
-        checkpoint: A save_pretrained policy directory, an update-<k> training checkpoint, or a directory holding
-            one (a fit output directory: its latest checkpoint, else its policy-0).
-        tasks: A task directory or a directory of tasks (default: the shipped library).
-        split: Side of the SHA-256 group split to evaluate (all: every task).
-        dev_fraction: Development share of the split (use the training run's value).
-        attempts: Independent attempts per task (n).
-        k: The pass@k to report, each at most attempts.
-        engine: Rollout engine serving the policy.
-        seed: Evaluation seed (attempt j of a task samples with seeds from (seed, task, j)).
-        max_turns: Agent turns per attempt (keep the training run's limits).
-        max_tokens_per_turn: Generated tokens per turn.
-        max_tokens_per_trajectory: Generated tokens per attempt.
-        observation_head_tokens: Tool-output tokens kept from each observation's head.
-        observation_tail_tokens: Tool-output tokens kept from each observation's tail.
-        max_concurrent_attempts: Attempts in flight at once.
-        replicas: Rollout replicas (hf engine).
-        dtype: Dtype the engine serves the policy in.
-        backend: Sandbox backend of the attempts.
-        out: Also write the report (with one record per attempt) to this JSON file.
         json: Print the report as JSON instead of a table.
     """
-    arguments = {name: value for name, value in locals().items() if name != "json"}
     try:
-        report = run_validation(**arguments)
+        report = run_validation(**options)
     except (ValueError, FileNotFoundError, SandboxUnavailableError) as error:
         print(f"validate: {error}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ untouched environment already earns.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -152,9 +153,14 @@ REPORT = {
 }
 
 
+def _standing_in(body):
+    """``body`` with ``validate``'s signature: the CLI's options are derived from it (through ``**options``)."""
+    return functools.wraps(validate)(lambda **kwargs: body(**kwargs))
+
+
 def test_cli_prints_a_table_or_json(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(cli, "run_validation", lambda **kw: calls.append(kw) or REPORT)
+    monkeypatch.setattr(cli, "run_validation", _standing_in(lambda **kw: calls.append(kw) or REPORT))
     cli.main(["validate", "--checkpoint", "ckpt", "--split", "all", "--attempts", "5", "--k", "[1,3]", "--json"])
     assert json.loads(capsys.readouterr().out) == REPORT
     assert calls[0]["checkpoint"] == "ckpt" and calls[0]["attempts"] == 5 and list(calls[0]["k"]) == [1, 3]
@@ -169,7 +175,7 @@ def test_cli_exits_2_naming_the_problem(monkeypatch, capsys):
     def refuse(**kwargs):
         raise ValueError("pass@5 needs attempts >= 5")
 
-    monkeypatch.setattr(cli, "run_validation", refuse)
+    monkeypatch.setattr(cli, "run_validation", _standing_in(refuse))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["validate", "--checkpoint", "ckpt", "--k", "[5]"])
     assert exit_info.value.code == 2 and "pass@5 needs attempts" in capsys.readouterr().err

@@ -12,7 +12,8 @@ Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), opt
 (``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
-``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2).
+``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2);
+``publish-shared`` (the ranks' engines share servers: rank 0's publishes, rank 1's follows; rank 0's fails at 3).
 """
 
 from __future__ import annotations
@@ -186,6 +187,53 @@ def publishing_case(fabric) -> dict:
     return {"versions": engine.versions, "errors": errors}
 
 
+class _SharedEngine:
+    """One rank's engine on servers every rank shares: rank 0's records what it publishes (and fails at version 3),
+    rank 1's what it follows, and fails if asked to publish."""
+
+    shared_servers = True
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.policy_version, self.published, self.followed = rank, 0, [], []
+
+    def publish(self, state_dict, policy_version: int):
+        from tslightning.rollout.engine import PublishReceipt, RolloutEngineError
+
+        assert self.rank == 0, "a follower's engine published"
+        if policy_version == 3:
+            raise RolloutEngineError("the server did not acknowledge θ_3")
+        self.published.append((policy_version, sorted(state_dict)))
+        self.policy_version = policy_version
+        return PublishReceipt(policy_version, replicas=2, seconds=0.0)
+
+    def served(self):
+        from tslightning.rollout.vllm_server_engine import ServedVersion
+
+        return ServedVersion(self.policy_version, None, {0: "http://a:1", 1: f"http://b:{self.policy_version}"})
+
+    def follow(self, served) -> None:
+        self.followed.append((served.policy_version, served.urls))
+        self.policy_version = served.policy_version
+
+
+def shared_publishing_case(fabric) -> dict:
+    from types import SimpleNamespace
+
+    from tslightning.callbacks import WeightPublisher
+    from tslightning.core.sources import BatchClosed
+
+    engine = _SharedEngine(fabric.global_rank)
+    publisher = WeightPublisher(engine, every_rank=True)
+    errors = []
+    for version in (1, 2, 3):
+        module = SimpleNamespace(policy=torch.nn.Linear(2, 2), policy_version=version, update_timings={})
+        try:
+            publisher.on_train_batch_end(fabric, module, None, BatchClosed(version - 1), version - 1)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return {"published": engine.published, "followed": engine.followed, "errors": errors}
+
+
 def _set_up(fabric, module: StreamingPolicyModule):
     """Fabric set-up of the module and its optimizer (FSDP2 replaces the parameters: optimizer after the module)."""
     from lightning.fabric.strategies import ModelParallelStrategy
@@ -239,6 +287,8 @@ def main(out: str, strategy: str, *cases: str) -> None:
                 record = failing_case(case, fabric, DTYPES[strategy])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)
+            elif case == "publish-shared":
+                record = shared_publishing_case(fabric)
             else:
                 record = run_case(case, fabric, DTYPES[strategy])
         except Exception:

@@ -76,7 +76,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    done = _launch(out, "ddp", *CASES, "fail-ingest", "publish-every-rank", "die-ingest")
+    done = _launch(out, "ddp", *CASES, "fail-ingest", "publish-every-rank", "publish-shared", "die-ingest")
     return out, done
 
 
@@ -120,6 +120,20 @@ def test_every_rank_publishes_to_its_own_engine_and_fails_together(ddp_run):
     assert ranks[0]["versions"] == [1, 2] and ranks[1]["versions"] == [1]
     assert ranks[0]["errors"] == ["RolloutEngineError: 1 learner rank(s) failed to publish θ_2"]
     assert ranks[1]["errors"] == ["RolloutEngineError: replica of rank 1 did not acknowledge"]
+
+
+def test_ranks_sharing_servers_publish_once_from_rank_zero_and_the_others_follow(ddp_run):
+    out, done = ddp_run
+    ranks = [_load(out, "ddp", "publish-shared", r) for r in (0, 1)]
+    names = ["bias", "weight"]
+    assert ranks[0]["published"] == [(1, names), (2, names)] and ranks[1]["published"] == []
+    assert ranks[1]["followed"] == [(v, {0: "http://a:1", 1: f"http://b:{v}"}) for v in (1, 2)]  # the new URL too
+    assert ranks[0]["followed"] == []
+    assert ranks[0]["errors"] == ["RolloutEngineError: the server did not acknowledge θ_3"]
+    assert ranks[1]["errors"] == [
+        "RolloutEngineError: global rank 0 failed to publish θ_3 to the shared servers: RolloutEngineError: the "
+        "server did not acknowledge θ_3"
+    ]
 
 
 def test_dead_rank_fails_the_update_within_the_timeout(ddp_run):

@@ -102,6 +102,18 @@ BAD_INPUTS = {
         + ["--rollout.ray.teacher", "true", "--model.teacher_cpus", "[0]"],
         "model.teacher_cpus places the in-process OPD teacher; rollout.ray.teacher launches it on Ray",
     ),
+    "shared-servers-lora-fsdp": (
+        ["--rollout.engine", "vllm_server", "--rollout.launcher", "ray", "--learner.devices", "2"]
+        + ["--learner.strategy", "fsdp", "--model.lora", '{{"r": 8, "alpha": 16}}'],
+        "model.lora with rollout.engine vllm_server on several ranks publishes global rank 0's adapter, which "
+        "learner.strategy fsdp shards over the ranks: set learner.strategy ddp",
+    ),
+    "shared-servers-ray-teacher": (
+        ["--objective", "opd", "--rollout.engine", "vllm_server", "--rollout.launcher", "ray"]
+        + ["--rollout.ray.teacher", "true", "--learner.devices", "2"],
+        "rollout.ray.teacher serves one learner rank (a restarted teacher's new URL reaches global rank 0 only): "
+        "with several ranks start the teacher's vLLM server yourself and set rollout.teacher_url",
+    ),
     "adapter-dir-on-hf": (
         ["--rollout.server_adapter_dir", "/shared/adapters"],
         "rollout.server_adapter_dir applies to rollout.engine vllm_server, not 'hf'",
@@ -288,3 +300,21 @@ def test_a_global_cap_over_spread_groups_needs_a_sample_per_rank():
     assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), spread, None) == []  # no cap to count
     whole = LearnerSettings(devices=4, strategy="fsdp")
     assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), whole, 1) == []  # whole groups
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_several_ranks_may_share_vllm_servers_and_only_sharded_lora_is_refused(strategy):
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.settings import CheckpointSettings, LoraSettings, ModelSettings, setting_problems
+
+    rollout = RolloutSettings(engine="vllm_server", server_urls=["http://127.0.0.1:9"])
+    learner = LearnerSettings(devices=2, strategy=strategy)
+
+    def problems(model: ModelSettings) -> list[str]:
+        checkpoint = CheckpointSettings()
+        found = setting_problems("grpo", "thundersync", "recompute", model, rollout, learner, checkpoint, None)
+        return [p for p in found if "vllm_server" in p]
+
+    assert problems(ModelSettings()) == []  # several learner ranks on the same servers
+    lora = problems(ModelSettings(lora=LoraSettings()))
+    assert lora == ([] if strategy == "ddp" else [BAD_INPUTS["shared-servers-lora-fsdp"][1]])

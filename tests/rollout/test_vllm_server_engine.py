@@ -121,6 +121,25 @@ def test_a_server_that_stops_answering_is_dropped_and_its_turns_go_to_another(en
     assert generation.timing["server"] == 1.0 and engine._router.alive == [1]
 
 
+def test_a_reset_connection_to_a_server_that_still_answers_is_resent_there(engine, prompts, monkeypatch):
+    """A kept-alive connection the server closed as it was reused: the turn is sent once more to the same server
+    (it answers /health), with the same tokens, and the server stays in rotation."""
+    request = GenerationRequest("reset", prompts[1], 8, seed=5)
+    expected = engine.generate([request], 60)[0]
+    post, reset = requests.Session.post, []
+
+    def reset_once(self, url, **kwargs):
+        if not reset:
+            reset.append(kwargs["json"]["request_id"])
+            raise requests.ConnectionError("('Connection aborted.', ConnectionResetError(104, 'Connection reset'))")
+        return post(self, url, **kwargs)
+
+    monkeypatch.setattr(requests.Session, "post", reset_once)
+    generation = engine.generate([request], 60)[0]
+    assert reset and (generation.token_ids, generation.logprobs) == (expected.token_ids, expected.logprobs)
+    assert engine._router.alive == [0]
+
+
 def test_when_every_server_is_gone_the_engine_fails_with_a_clear_error(engine, prompts, monkeypatch):
     dead = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setattr(engine, "urls", [dead])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tslightning.rollout.vllm_server_engine as server_engine
-from tslightning.rollout.engine import RolloutEngineError
-from tslightning.rollout.vllm_server_engine import SessionRouter, VLLMServerEngine
+from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
+from tslightning.rollout.vllm_server_engine import ServedVersion, SessionRouter, VLLMServerEngine
 
 STATE = {"weight": torch.ones(2)}
 
@@ -67,6 +67,7 @@ def _engine(urls: list[str], transports: list[FakeTransport], replicas: FakeRepl
     engine._pool, engine._timeout_s, engine._transport, engine._expected = ThreadPoolExecutor(1), 5.0, "gloo", None
     engine._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas else {}
     engine.adapter, engine._model = None, None  # merged weights; test_lora_* set an adapter
+    engine.sharing = "none"  # one learner rank; test_*_follow* share the servers
     return engine
 
 
@@ -162,3 +163,40 @@ def test_close_stops_the_launchers_replicas(dead):
     engine = _engine(["http://a:1"], [FakeTransport()], replicas)
     engine.close()
     assert replicas.closed
+
+
+def test_a_follower_samples_at_the_version_rank_zero_published_on_the_servers_that_acknowledged_it(dead):
+    """Ranks sharing servers: rank 0's engine publishes (one server died, it is left out), another rank's follows
+    what rank 0 reports serving — its requests then carry that version, go to that server only, and a replica rank 0
+    readmitted (a new URL) rejoins the follower's rotation only with the publication that reached it."""
+    transports = [FakeTransport(fails=True), FakeTransport()]
+    publisher = _engine(["http://a:1", "http://b:1"], transports, None)
+    follower = _engine(["http://a:1", "http://b:1"], [], None)
+    publisher.sharing, follower.sharing = "publisher", "follower"
+    assert publisher.shared_servers and follower.shared_servers
+    dead.add("http://a:1")
+    publisher.publish(STATE, 1)
+    served = publisher.served()
+    assert served == ServedVersion(1, None, {1: "http://b:1"})
+
+    follower.follow(served)
+    assert follower.policy_version == 1 and follower._router.alive == [1]
+    server, version, model = follower._ticket(GenerationRequest("g0/0", (1, 2), 2, seed=0))
+    assert (server, version, model) == (1, 1, None)
+    follower._router.done(server)  # the request came back: nothing in flight at the next publication
+    follower.follow(ServedVersion(2, "tslightning-policy-v2", {0: "http://a:2/", 1: "http://b:1"}))
+    assert follower._router.alive == [0, 1] and follower.urls[0] == "http://a:2"
+    assert follower._ticket(GenerationRequest("g1/0", (1, 2), 2, seed=0))[1:] == (2, "tslightning-policy-v2")
+    assert transports[1].published == [1]  # the follower sent nothing itself
+
+
+def test_only_the_publisher_publishes_and_only_followers_follow_increasing_versions():
+    publisher = _engine(["http://a:1"], [FakeTransport()], None)
+    follower = _engine(["http://a:1"], [], None)
+    publisher.sharing, follower.sharing = "publisher", "follower"
+    with pytest.raises(RuntimeError, match="a follower's engine does not publish"):
+        follower.publish(STATE, 1)
+    with pytest.raises(RuntimeError, match="follow\\(\\) is for a follower's engine"):
+        publisher.follow(ServedVersion(1, None, {0: "http://a:1"}))
+    with pytest.raises(ValueError, match="policy_version must increase"):
+        follower.follow(ServedVersion(0, None, {0: "http://a:1"}))

@@ -81,6 +81,20 @@ def test_the_network_is_the_hosts_only_where_allowed(live):
     assert live.run(interfaces, mounts=("app", "tests", "logs"), verifier=True).output == "['lo']\n"
 
 
+def test_a_service_binds_a_privileged_port_as_in_a_container(live):
+    if live.host_uid is None:
+        pytest.skip("the environment's own network namespace is made by a root trainer")
+    live.run(SERVER.replace("8765", "80"))
+    assert live.run(PROBE.replace("8765", "80")).output == "200\n"
+    assert live.run("cat /proc/sys/net/ipv4/ip_unprivileged_port_start").output == "0\n"
+
+
+def test_the_first_command_finds_the_start_up_service_listening(live):
+    live.startup = ("sleep 0.4; exec python3 -m http.server 8766 --bind 127.0.0.1", "/", {})
+    once = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8766/').status)\""
+    assert live.run(once).output == "200\n"  # no retry: the service already listens
+
+
 def test_what_commands_leave_counts_against_the_environments_memory():
     hog = "python3 -c 'import time; b = bytearray(45 * 2**20); time.sleep(60)' &"
     with AttemptDirectory() as attempt:

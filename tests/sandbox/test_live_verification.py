@@ -20,7 +20,13 @@ from tslightning.sandbox import (
     live_verification,
 )
 from tslightning.sandbox.errors import SandboxError
-from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, LAUNCHER, beside_argv
+from tslightning.sandbox.live_verification import (
+    DEFAULT_VERIFIER_UID,
+    ENVIRONMENT_LAUNCHER,
+    LAUNCHER,
+    beside_argv,
+    environment_argv,
+)
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 
@@ -228,6 +234,12 @@ def test_the_launcher_enters_the_network_maps_the_agents_files_then_becomes_bwra
         "/a/image-rw/root",
     ]
     assert "--net" not in beside_argv(61001, 61000, None, [], ["bwrap"])  # its own network
+
+
+def test_the_launcher_makes_an_environments_own_network_then_becomes_its_bwrap():
+    argv = environment_argv(61000, ["bwrap", "--args", "5"])
+    assert argv[1:5] == ["-I", "-S", "-B", str(ENVIRONMENT_LAUNCHER)] and argv[-4:] == ["--", "bwrap", "--args", "5"]
+    assert argv[5:-4] == ["--new-net", "1", "--uid", "61000", "--agent-uid", "61000"]  # no idmapped binds
 
 
 def test_the_verifier_uid_must_differ_from_the_agents():

@@ -26,7 +26,7 @@ from tslightning.sandbox import (
     make_sandbox,
 )
 from tslightning.sandbox.output import BoundedOutput
-from tslightning.sandbox.supervision import classify_limit
+from tslightning.sandbox.supervision import CommandRequest, classify_limit
 
 QUICK = SandboxLimits(timeout_s=20)
 
@@ -280,9 +280,7 @@ class TestBackendSelection:
         fake.chmod(0o755)
         monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
         sandbox = DockerSandbox(attempt, image="task-image:1")
-        launch = sandbox._launch(
-            "echo hi", limits=SandboxLimits(), mounts=("app", "logs"), cwd="/app", env={"K": "v"}, ready_fd=9
-        )
+        launch = sandbox._launch(CommandRequest("echo hi", SandboxLimits(), ("app", "logs"), "/app", {"K": "v"}, 9))
         argv = " ".join(launch.argv)
         for flag in ["run --rm", "--network none", f"--memory {2 * 2**30}", "--pids-limit 256", "--read-only"]:
             assert flag in argv

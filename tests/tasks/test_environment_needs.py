@@ -97,6 +97,10 @@ def test_base_images_the_builder_maps():
     assert base_of("python:3.13-slim-bookworm") == ("python", "3.13-slim-bookworm")
     assert base_of("docker.io/library/ubuntu") == ("ubuntu", "latest")
     assert base_of("debian@sha256:abc") == ("debian", "latest")
+    assert base_of("public.ecr.aws/docker/library/debian:bookworm-slim@sha256:4724b8cc") == ("debian", "bookworm-slim")
+    assert base_of("mirror.gcr.io/library/python:3.12-slim") == ("python", "3.12-slim")
+    assert base_of("public.ecr.aws/docker/library/node:20-slim") is None  # mirrored, but not a base we map
+    assert base_of("public.ecr.aws/someone/debian:12") is None  # not the official image
     assert base_of("alpine:3.20") is None and base_of("ghcr.io/laude-institute/t-bench/python:3.13") is None
 
 
@@ -127,3 +131,15 @@ def test_an_unreadable_dockerfile_names_its_line(tmp_path):
     with pytest.raises(TaskFormatError) as caught:
         TerminalTask.load(_task(tmp_path, "FROM debian\nWHAT? now\n"))
     assert caught.value.problems == ["environment/Dockerfile: line 2: 'WHAT?' is not a Dockerfile instruction"]
+
+
+def test_harbor_main_service_is_the_tasks_own_even_without_a_build(tmp_path):
+    # Harbor's base file gives `main` its build; a task's compose file often only adds a built helper to it.
+    compose = "services:\n  main:\n    depends_on: [ledger]\n  ledger:\n    build:\n      context: ./ledger\n"
+    needs = environment_needs(_environment(tmp_path / "a", "FROM debian\n", docker_compose_yaml=compose))
+    assert needs.status == "needs helper container"
+    assert needs.reasons == ("docker-compose.yaml: services besides the task's own (ledger)",)
+    alone = "services:\n  main:\n    environment: [MODE=test]\n"
+    assert environment_needs(_environment(tmp_path / "b", "FROM debian\n", docker_compose_yaml=alone)).status == "host"
+    built = "services:\n  client:\n    build: .\n"  # Terminal-Bench 1's one service builds the task's own image
+    assert environment_needs(_environment(tmp_path / "c", "FROM debian\n", docker_compose_yaml=built)).status == "host"

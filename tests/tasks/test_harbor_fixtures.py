@@ -29,6 +29,20 @@ def test_named_rewards_without_a_chosen_key_say_which_to_choose():
     assert "named rewards ['correctness', 'performance'] but no 'reward'" in result.problems[0]
 
 
+def test_named_rewards_all_full_validate_without_a_chosen_key(tmp_path):
+    """Harbor's multi-reward recipe: the reference earns every named reward in full, so the task is valid as it is."""
+    task = shutil.copytree(FIXTURES / "named-rewards", tmp_path / "both-full")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        "if [ -s /app/primes.txt ]; then done=1; else done=0; fi\n"
+        'printf \'{"correctness": %s, "performance": 1}\\n\' "$done" > /logs/verifier/reward.json\n'
+    )
+    result = validate_task(task)
+    assert result.status == "valid", result.problems
+    assert result.reference.reason.startswith("every named reward (correctness 1, performance 1)")
+    assert result.noop.passed_fraction == 0.0
+
+
 @pytest.mark.parametrize(
     ("name", "status", "reason"),
     [

@@ -81,6 +81,29 @@ def test_an_attempt_runs_inside_the_image_with_its_service(cached):
         assert not (attempt.image.rootfs / "srv" / "work" / "started.pid").exists()  # a private copy per attempt
 
 
+def test_each_attempt_writes_its_own_etc_hosts_which_the_verifier_sees(cached, tmp_path):
+    """As Docker's per-container /etc/hosts: an entrypoint routes a name to a local service; nothing else sees it."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test.sh").write_text(
+        "#!/bin/bash\ngrep -q '^127.0.0.1 kv.internal$' /etc/hosts && echo 1 > /logs/verifier/reward.txt "
+        "|| echo 0 > /logs/verifier/reward.txt\n"
+    )
+    (tests / "test.sh").chmod(0o755)
+    task = TerminalTask.load(SERVICE)
+    with TerminalTaskAttempt(task) as attempt:
+        routed = attempt.run_command(
+            "echo '127.0.0.1 kv.internal' >> /etc/hosts && "
+            "for _ in $(seq 50); do curl -sf http://kv.internal:8765/answer && break; sleep 0.1; done"
+        )
+        assert '"value": 42' in routed.output, routed.output
+        assert "kv.internal" not in (attempt.image.rootfs / "etc" / "hosts").read_text()
+        attempt.verify(tests)
+        assert attempt.verification.passed, attempt.verification.reason
+    with TerminalTaskAttempt(task) as fresh:
+        assert "kv.internal" not in fresh.run_command("cat /etc/hosts").output
+
+
 def test_a_failing_build_names_its_line(cached, tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM debian:trixie\nRUN echo building && false\n")
     with pytest.raises(ImageBuildError, match="Dockerfile:2: RUN exited 1: building"):

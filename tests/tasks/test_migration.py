@@ -48,8 +48,8 @@ def test_nothing_is_overwritten_and_problems_are_named(tmp_path):
         migrate_tasks(TB1 / "word-count", tmp_path)
     broken = tmp_path / "src" / "broken"
     shutil.copytree(TB1 / "word-count", broken)
-    (broken / "run-tests.sh").unlink()
-    with pytest.raises(MigrationError, match="run-tests.sh is missing"):
+    (broken / "task.yaml").write_text("author_name: someone\n")
+    with pytest.raises(MigrationError, match="has no instruction"):
         migrate_tasks(broken, tmp_path / "new")
     assert not (tmp_path / "new").exists()  # refused before writing
     with pytest.raises(MigrationError, match="holds no Terminal-Bench 1 task"):
@@ -81,3 +81,19 @@ def test_cli_migrate_takes_two_positional_directories(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["tasks", "migrate", str(TB1), str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "exist already" in capsys.readouterr().err
+
+
+def test_a_task_without_run_tests_gets_the_harness_default_runner(tmp_path):
+    """Terminal-Bench 1 runs its default runner (uv, pytest on tests/test_outputs.py) for a task with no
+    run-tests.sh: the migrated task does the same, with the two helpers beside it."""
+    source = tmp_path / "src" / "default-runner"
+    shutil.copytree(TB1 / "word-count", source)
+    (source / "run-tests.sh").unlink()
+    (migration,) = migrate_tasks(source, tmp_path / "out")
+    tests = tmp_path / "out" / "default-runner" / "tests"
+    runner = (tests / "run-tests.sh").read_text()
+    assert 'source "$TEST_DIR/setup-uv-pytest.sh"' in runner and 'bash "$TEST_DIR/run-uv-pytest.sh"' in runner
+    assert 'uv run pytest "$TEST_DIR/test_outputs.py" -rA' in (tests / "run-uv-pytest.sh").read_text()
+    assert (tests / "setup-uv-pytest.sh").is_file() and (tests / "test_outputs.py").is_file()
+    assert any("default runner" in note for note in migration.notes)
+    assert not (source / "tests" / "run-tests.sh").exists()  # the source is never changed

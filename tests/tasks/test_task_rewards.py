@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tslightning.tasks.rewards import (
+    EVERY_NAMED_REWARD,
     RewardFileError,
     binary_reward,
     max_reward,
@@ -156,3 +157,16 @@ def test_named_reward_beside_counts_and_reward_txt_agreement(tmp_path):
     assert refused.passed_fraction is None and "disagree" in refused.error
     (tmp_path / "reward.txt").unlink()  # Harbor's named-rewards verifiers write reward.json alone
     assert read_reward_files(tmp_path, key="correctness").passed_fraction == 1.0
+
+
+def test_every_named_reward_must_be_full_when_no_key_is_chosen():
+    reading = parse_reward_json('{"accuracy": 1, "latency": 0.75, "note": "ok"}', key=EVERY_NAMED_REWARD)
+    assert reading.passed_fraction == 0.75 and reading.key == EVERY_NAMED_REWARD
+    assert reading.describe() == "every named reward (accuracy 1, latency 0.75): pass fraction 0.75 (reward.json)"
+    assert parse_reward_json('{"accuracy": 1, "latency": 1}', key=EVERY_NAMED_REWARD).reward("seta") == 1.5
+    # Counts, else a `reward`, still win over the named numbers beside them.
+    counted = parse_reward_json('{"tests_passed": 1, "tests_total": 4, "style": 1}', key=EVERY_NAMED_REWARD)
+    assert counted.passed_fraction == 0.25 and counted.key == "reward"
+    assert parse_reward_json('{"reward": 0.5, "style": 1}', key=EVERY_NAMED_REWARD).passed_fraction == 0.5
+    with pytest.raises(RewardFileError, match=r"'latency' must be a pass fraction in \[0, 1\]"):
+        parse_reward_json('{"accuracy": 1, "latency": 3}', key=EVERY_NAMED_REWARD)

@@ -9,7 +9,13 @@ import pytest
 
 from tslightning import cli
 from tslightning.tasks.terminal_task import find_task_dirs
-from tslightning.tasks.validation import format_table, library_dir, validate_task, validate_tasks
+from tslightning.tasks.validation import (
+    format_table,
+    library_dir,
+    read_only_writes,
+    validate_task,
+    validate_tasks,
+)
 
 
 @pytest.fixture
@@ -86,3 +92,36 @@ def test_cli_validate_missing_directory(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["tasks", "validate", str(tmp_path / "absent")])
     assert exit_info.value.code == 2 and "is not a directory" in capsys.readouterr().err
+
+
+def test_writes_the_read_only_root_refused_are_found_in_any_tools_words():
+    output = (
+        "E   OSError: [Errno 30] Read-only file system: '/data'\n"
+        "mkdir: cannot create directory '/output': Read-only file system\n"
+        "touch: cannot touch ‘/srv/flag’: Read-only file system\n"  # coreutils' quotes in a UTF-8 locale
+        "/entrypoint.sh: line 4: /etc/motd: Read-only file system\n"
+        "PytestCacheWarning: could not create cache path /tests/.pytest_cache/v: [Errno 30] Read-only file system: "
+        "'/tests/pytest-cache-files-x1'\n"  # /tests is read-only by design: a warning, not the failure
+        "E   OSError: [Errno 30] Read-only file system: '/data'\n"
+    )
+    assert read_only_writes(output) == ["/data", "/output", "/srv/flag", "/etc/motd"]
+    assert read_only_writes("FAILED test_x.py::test_y - AssertionError: 0 != 1") == []
+
+
+def test_a_reference_failed_by_the_read_only_root_needs_the_image(tmp_path):
+    """Terminal-Bench 1 tests often write at the top of the root (/data, /output), which a container allows."""
+    task = tmp_path / "top-level-output"
+    for name in ("environment", "solution", "tests"):
+        (task / name).mkdir(parents=True)
+    (task / "task.toml").write_text('version = "1.0"\n')
+    (task / "instruction.md").write_text("Write the word done to /results/out.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.12-slim-bookworm\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\nmkdir -p /results && echo done > /results/out.txt\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ngrep -qx done /results/out.txt && echo 1 > /logs/verifier/reward.txt "
+        "|| echo 0 > /logs/verifier/reward.txt\n"
+    )
+    result = validate_task(task)
+    assert result.status == "needs image", result.problems
+    assert result.problems[0].startswith("the reference's run wrote to /results, read-only here")
+    assert result.reference.passed_fraction == 0.0  # still shown: what the attempt scored, and why

@@ -2,6 +2,11 @@
 
 One small versioned operation: gather the full weights, ``engine.publish(weights, k + 1)`` (which returns only once
 every replica acknowledged and cleared its policy-dependent caches), check the receipt's version, record the time.
+
+Learner ranks sharing rollout servers (an engine whose ``shared_servers`` is true, e.g. ``vllm_server`` on several
+ranks) publish once per server: every rank joins the gather (FSDP2 / ZeRO-3), only global rank 0 keeps the full
+weights and publishes them, and its outcome — with what the servers now serve — is broadcast, so every other rank's
+engine adopts the new version only after every server acknowledged it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import lightning as L
 import torch
 
 from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name
-from tslightning.distributed.collectives import control_all_reduce
+from tslightning.distributed.collectives import control_all_reduce, control_broadcast
 from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
 from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
 from tslightning.learner.update_log import log_update_metrics
@@ -29,7 +34,9 @@ class WeightPublisher(UpdateCallback):
 
     The engine lives with global rank 0, which publishes; the outcome is then broadcast, so every rank waits for the
     acknowledgement and fails together if publication failed. With ``every_rank=True`` (rank-aware rollout: each
-    learner rank drives its own engine) every rank publishes to its engine and the outcomes are all-reduced. Keeps
+    learner rank drives its own engine) every rank publishes to its engine and the outcomes are all-reduced — unless
+    the engines share their servers (``engine.shared_servers``): rank 0's then publishes and the others ``follow``
+    its ``served()`` (see the module docstring). Keeps
     the :attr:`last_publication` (version, seconds until acknowledged, when), where the MFU monitor, the release trace
     and checkpoints read it whatever their order; also writes ``update_timings["publication_s"]`` when the module
     keeps such a dict, and logs ``timing_s/update_weights`` for update k.
@@ -87,9 +94,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = self.current_index(trainer, pl_module)
         if self._engines_serve_another(trainer, version):
-            weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only())
-            publish = self._publish_from_every_rank if self.every_rank else self._publish_from_rank_zero
-            publish(trainer, weights, version)
+            self._publish_everywhere(trainer, pl_module, version)
 
     def on_update_end(self, trainer: Any, pl_module: Any, k: int, batch: Any) -> None:
         """Update k took its step: publish θ_{k+1} at version k + 1 and wait for every replica's acknowledgement.
@@ -101,11 +106,7 @@ class WeightPublisher(UpdateCallback):
         self._require_engine()
         version = k + 1
         start = time.perf_counter()
-        weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only())  # ZeRO-3: a gather
-        if self.every_rank:
-            self._publish_from_every_rank(trainer, weights, version)
-        else:
-            self._publish_from_rank_zero(trainer, weights, version)
+        self._publish_everywhere(trainer, pl_module, version)
         seconds = time.perf_counter() - start
         self.last_publication = Publication(version, seconds, time.time())
         timings = getattr(pl_module, "update_timings", None)
@@ -114,6 +115,18 @@ class WeightPublisher(UpdateCallback):
         self.published_version = version
         self.publications += 1
         log_update_metrics(trainer, pl_module, {"timing_s/update_weights": seconds}, step=k)
+
+    def _publish_everywhere(self, trainer: Any, pl_module: Any, version: int) -> None:
+        """Gather the full weights (FSDP2 / ZeRO-3: a collective of every rank) and publish them at ``version``."""
+        shared = self.every_rank and bool(getattr(self.engine, "shared_servers", False))
+        keep = not shared or trainer.global_rank == 0  # sharing ranks: only the publisher keeps the gathered copy
+        weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only(), keep=keep)
+        if shared:
+            publish_to_shared_servers(self.engine, weights, version, trainer.global_rank, self.timeout_s)
+        elif self.every_rank:
+            self._publish_from_every_rank(trainer, weights, version)
+        else:
+            self._publish_from_rank_zero(trainer, weights, version)
 
     def _engines_serve_another(self, trainer: Any, version: int) -> bool:
         """Whether rank 0's engine (every rank's, with ``every_rank``) serves a version other than ``version``; the
@@ -167,13 +180,7 @@ class WeightPublisher(UpdateCallback):
 
     def _publish(self, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> PublishReceipt:
         state = weights()
-        receipt = _wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version)
-        if receipt.policy_version != version:
-            raise RolloutEngineError(
-                f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
-                "may serve another policy: close the engine and start another"
-            )
-        return receipt
+        return _checked(_wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version), version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"published_version": self.published_version, "publications": self.publications}
@@ -183,22 +190,72 @@ class WeightPublisher(UpdateCallback):
         self.publications = state_dict["publications"]
 
 
-def full_weights(policy: torch.nn.Module, adapter: bool = False) -> Callable[[], dict[str, torch.Tensor]]:
+def publish_to_shared_servers(
+    engine: Any, weights: Callable[[], dict[str, torch.Tensor]], version: int, rank: int, timeout_s: float | None = None
+) -> None:
+    """Every learner rank calls this: global rank 0's engine publishes ``weights()`` at ``version`` to the servers
+    all ranks sample from, once each; the other ranks' engines then ``follow`` what it reports serving.
+
+    The first agreement holds rank 0 until every rank finished sampling (no request of any rank is in flight when the
+    servers pause); the broadcast of rank 0's outcome is the second: no rank samples at ``version`` before every
+    server acknowledged it, and every rank raises if the publication failed.
+
+    Raises:
+        RolloutEngineError: On every rank if rank 0's publication failed (rank 0 raises its own error).
+    """
+    control_all_reduce(torch.zeros(1))  # every rank reached publication: its rollouts are done
+    outcome: Any = None
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            state = weights()
+            _checked(_wait_for(lambda: engine.publish(state, version), timeout_s, version), version)
+            outcome = engine.served()
+        except Exception as exc:
+            outcome, error = f"{type(exc).__name__}: {exc}", exc
+    outcome = control_broadcast(outcome, src=0)
+    if error is not None:
+        raise error
+    if isinstance(outcome, str):
+        raise RolloutEngineError(f"global rank 0 failed to publish θ_{version} to the shared servers: {outcome}")
+    if rank != 0:
+        engine.follow(outcome)
+
+
+def _checked(receipt: PublishReceipt, version: int) -> PublishReceipt:
+    if receipt.policy_version != version:
+        raise RolloutEngineError(
+            f"published θ_{version} but the engine acknowledged version {receipt.policy_version}; its replicas "
+            "may serve another policy: close the engine and start another"
+        )
+    return receipt
+
+
+def full_weights(
+    policy: torch.nn.Module, adapter: bool = False, keep: bool = True
+) -> Callable[[], dict[str, torch.Tensor]]:
     """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3 or FSDP2, where
     every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank.
 
+    With ``keep=False`` (a rank that joins the gather but does not publish) nothing is kept: FSDP2's parameters are
+    gathered one at a time and dropped, ZeRO-3's are not copied, and the thunk returns ``{}``.
+
     With ``adapter`` (an engine that serves LoRA adapters) it is the peft policy's adapter alone
-    (:func:`adapter_state_dict`); such engines run beside one learner rank, so nothing is partitioned.
+    (:func:`adapter_state_dict`), read on a replicated policy (sharded parameters are refused by ``fit``).
     """
     if adapter:
         return lambda: adapter_state_dict(policy)
     if shards_parameters(policy):
-        state = full_state_dict(policy)
+        state = full_state_dict(policy, keep=keep)
         return lambda: state
     if not partitions_parameters(policy):
-        return lambda: publishable_state_dict(policy)
+        return (lambda: publishable_state_dict(policy)) if keep else dict
     with gathered_parameters(policy):
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in publishable_state_dict(policy).items()}
+        state = (
+            {name: tensor.detach().to("cpu", copy=True) for name, tensor in publishable_state_dict(policy).items()}
+            if keep
+            else {}
+        )
     return lambda: state
 
 

@@ -110,6 +110,20 @@ def control_all_gather(value: object) -> list[object]:
     return values
 
 
+def control_broadcast(value: object, src: int = 0) -> object:
+    """Rank ``src``'s ``value`` (a small picklable object) on every rank, over :func:`control_group`; the other ranks'
+    ``value`` is ignored. Identity on one process.
+
+    Raises:
+        CollectiveFailure: if a rank died, hung or hung up.
+    """
+    if not distributed():
+        return value
+    holder = [value if dist.get_rank() == src else None]
+    _run(lambda: dist.broadcast_object_list(holder, src=src, group=control_group()))
+    return holder[0]
+
+
 def all_to_all_rows(
     rows: torch.Tensor | None, senders: list[bool], n: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:

@@ -89,11 +89,15 @@ def write_direction(layout: ParameterLayout, direction: torch.Tensor, scale: flo
             p.grad = full
 
 
-def full_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``policy.state_dict()`` with every DTensor shard all-gathered (a collective every rank must enter)."""
+def full_state_dict(policy: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """``policy.state_dict()`` with every DTensor shard all-gathered (a collective every rank must enter), one
+    parameter at a time; ``keep=False`` (a rank that does not publish) joins each gather, drops its result and returns
+    ``{}``, so no full copy is staged there."""
     from torch.distributed.tensor import DTensor
 
-    return {
-        name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        for name, tensor in policy.state_dict().items()
-    }
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in policy.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keep:
+            state[name] = full
+    return state

@@ -383,10 +383,7 @@ def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner)
             f"{vllm.tensor_parallel_size}, {vllm.gpu_memory_utilization}"
         )
     if rollout.engine == "vllm_server" and learner.world_size > 1:
-        problems.append(
-            "rollout.engine vllm_server drives its servers from one learner rank; set learner.devices and "
-            "learner.num_nodes to 1 (several ranks sharing servers is not supported yet)"
-        )
+        problems += _shared_server_problems(model, rollout, learner)
     placed = vllm.gpus is not None or (rollout.engine == "vllm" and rollout.cpus is not None)
     if vllm.in_process and (learner.world_size > 1 or placed):
         problems.append(
@@ -399,6 +396,22 @@ def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner)
             problems.append(f"rollout.{name} must be >= 2 or null; got {value}")
     if vllm.max_model_len is not None and vllm.max_model_len < 2:
         problems.append(f"rollout.vllm.max_model_len must be >= 2 or null; got {vllm.max_model_len}")
+    return problems
+
+
+def _shared_server_problems(model: ModelSettings, rollout: RolloutSettings, learner) -> list[str]:
+    """What several learner ranks sharing ``vllm_server`` servers cannot do yet (global rank 0 publishes for all)."""
+    problems = []
+    if model.lora is not None and learner.strategy in SHARDED_PARAMETERS:
+        problems.append(
+            f"model.lora with rollout.engine vllm_server on several ranks publishes global rank 0's adapter, which "
+            f"learner.strategy {learner.strategy} shards over the ranks: set learner.strategy ddp"
+        )
+    if rollout.ray.teacher:
+        problems.append(
+            "rollout.ray.teacher serves one learner rank (a restarted teacher's new URL reaches global rank 0 only): "
+            "with several ranks start the teacher's vLLM server yourself and set rollout.teacher_url"
+        )
     return problems
 
 

@@ -18,6 +18,7 @@ from tslightning.distributed.collectives import control_group
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
+from tslightning.loop.rollout_servers import replica_server_args, start_vllm_server
 from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
@@ -203,7 +204,8 @@ def start_engine(
 ):
     """This learner rank's rollout engine, serving ``policy_dir`` in ``dtype`` on its share of the node's cores
     (``rollout.cpus``) and, for ``vllm``, GPUs (``rollout.vllm.gpus``); ``vllm_server`` connects to running servers
-    and publishes ``policy_dir`` to them as θ_0.
+    and publishes ``policy_dir`` to them as θ_0 — with several learner ranks, global rank 0 does (and launches the
+    servers, with ``rollout.launcher ray``), then the others connect to the same servers as followers.
 
     Args:
         rollout: The rollout settings.
@@ -220,8 +222,7 @@ def start_engine(
     if rollout.engine == "vllm":
         return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     if rollout.engine == "vllm_server":
-        adapter = _adapter_spec(lora, rollout, policy_dir)
-        return _start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096, adapter)
+        return start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096, lora)
     from tslightning.rollout.hf_engine import HFRolloutEngine
 
     return HFRolloutEngine(
@@ -232,64 +233,6 @@ def start_engine(
         max_batch_size=rollout.max_batch_size,
         prefix_cache_tokens=rollout.prefix_cache_tokens,
     )
-
-
-def _start_vllm_server(rollout: RolloutSettings, policy_dir: Path, dtype: str, context: int, adapter=None):
-    """The ``vllm_server`` engine on ``rollout.server_urls``, or on replicas the Ray launcher starts first (with
-    LoRA at runtime when ``adapter``, a LoRA run's :class:`~tslightning.rollout.vllm_server_adapter.AdapterSpec`)."""
-    from tslightning.rollout.vllm_server_engine import VLLMServerEngine
-
-    replicas = None
-    if rollout.launcher == "ray":
-        from tslightning.rollout.replica_launcher import RayReplicas
-
-        replicas = RayReplicas(
-            rollout.ray,
-            policy_dir,
-            policy_dir.parent / "replicas",
-            transport=rollout.server_transport,
-            dtype=dtype,
-            max_model_len=rollout.vllm.max_model_len or context,
-            extra=replica_server_args(rollout),
-            lora_rank=adapter.r if adapter is not None else None,
-        )
-    try:
-        return VLLMServerEngine(
-            replicas.urls if replicas is not None else rollout.server_urls or [],
-            policy_dir,
-            transport=rollout.server_transport,
-            dtype=dtype,
-            context_tokens=context,
-            timeout_s=rollout.server_timeout_s,
-            replicas=replicas,
-            adapter=adapter,
-        )
-    except BaseException:
-        if replicas is not None:
-            replicas.close()
-        raise
-
-
-def replica_server_args(rollout: RolloutSettings, gpus: float | None = None) -> list[str]:
-    """The ``api_server`` flags of each launched server from ``rollout.vllm`` (``rollout.ray.server_args`` follow);
-    ``gpus``: the server's Ray GPUs (``None``: a replica's ``rollout.ray.num_gpus``)."""
-    vllm = rollout.vllm
-    args = ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
-    if (rollout.ray.num_gpus if gpus is None else gpus) > 0:
-        args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
-    if vllm.enforce_eager:
-        args.append("--enforce-eager")
-    return args
-
-
-def _adapter_spec(lora, rollout: RolloutSettings, policy_dir: Path):
-    """Where and how a LoRA run's adapters are published to vLLM servers (``None``: not a LoRA run)."""
-    if lora is None:
-        return None
-    from tslightning.rollout.vllm_server_adapter import AdapterSpec
-
-    directory = Path(rollout.server_adapter_dir) if rollout.server_adapter_dir else policy_dir.parent / "adapters"
-    return AdapterSpec(lora.r, lora.alpha, tuple(lora.target_modules), directory.resolve(), str(policy_dir))
 
 
 def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):

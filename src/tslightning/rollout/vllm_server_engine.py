@@ -30,6 +30,13 @@ request of update k names θ_k's adapter as its ``model`` — the server's answe
 At start the engine checks each server (:mod:`tslightning.rollout.vllm_server_check`), joins its weight-transfer
 group and publishes θ_0 from the policy's checkpoint at ``policy_version``, so what the servers were started with
 does not matter beyond the architecture and tokenizer. The servers are the user's: ``close`` leaves them running.
+
+Several learner ranks share the servers (``sharing``): each rank's engine sends its own share of the trajectories
+(routing stays local, :mod:`tslightning.rollout.session_routing`), but only global rank 0's engine (``publisher``)
+joins the weight-transfer groups, publishes θ_0 and every θ_{k+1} — once per server — and talks to the launcher. The
+other ranks' engines (``follower``) start once θ_0 is served and :meth:`~VLLMServerEngine.follow` each publication
+the publisher reports (:meth:`~VLLMServerEngine.served`: version, adapter, the servers that acknowledged it, a
+restarted replica's new URL among them); every rank still checks every token's weight version.
 """
 
 from __future__ import annotations
@@ -38,11 +45,11 @@ import itertools
 import json
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import requests
 import torch
@@ -55,6 +62,7 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
+from tslightning.rollout.session_routing import SessionRouter
 from tslightning.rollout.vllm_server_adapter import (
     AdapterSpec,
     adapter_name,
@@ -70,11 +78,24 @@ from tslightning.rollout.vllm_server_check import (
     server_problems,
     url_problems,
 )
+from tslightning.rollout.vllm_server_generation import checked_generation, generate_body
 
-__all__ = ["VLLMServerEngine"]
+__all__ = ["ServedVersion", "SessionRouter", "VLLMServerEngine"]
 
-_SESSIONS_KEPT = 65536
-"""Trajectories whose server the engine remembers (oldest forgotten first)."""
+
+@dataclass(frozen=True)
+class ServedVersion:
+    """What the publisher's servers serve after a publication, sent to the other learner ranks' engines.
+
+    Attributes:
+        policy_version: The version every listed server acknowledged (its ``/weight_info``).
+        model: The adapter's name requests must name (a LoRA run), or ``None``: the base model.
+        urls: Server index → URL of each server in rotation (a restarted replica has a new URL).
+    """
+
+    policy_version: int
+    model: str | None
+    urls: dict[int, str]
 
 
 class VLLMServerEngine(QueuedEngine):
@@ -95,6 +116,10 @@ class VLLMServerEngine(QueuedEngine):
             with the engine. ``None``: the servers are the user's.
         adapter: A LoRA run's adapter: :meth:`publish` then takes peft's adapter state dict and serves it under a
             versioned name (the servers run with LoRA enabled); θ_0's base weights are still published at start.
+        sharing: ``none`` (one learner rank); ``publisher`` (global rank 0 of several: it publishes for all, and the
+            other ranks :meth:`follow` its :meth:`served`); ``follower`` (another rank: it never publishes, starts
+            serving at ``policy_version`` — create it once the publisher published θ_0 — and has no ``replicas``).
+        rank: This learner rank: its router's ties start at server ``rank`` (ranks start spread over the servers).
     """
 
     def __init__(
@@ -110,6 +135,8 @@ class VLLMServerEngine(QueuedEngine):
         max_connections: int = 64,
         replicas: Any = None,
         adapter: AdapterSpec | None = None,
+        sharing: Literal["none", "publisher", "follower"] = "none",
+        rank: int = 0,
     ) -> None:
         problems = url_problems(urls)
         if problems:
@@ -129,10 +156,14 @@ class VLLMServerEngine(QueuedEngine):
         self._policy_version, self._failure, self._closed = policy_version - 1, None, False
         self.adapter, self._model = adapter, None  # the served adapter's name; None: the base model
         self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
-        self._publishing, self._router = False, SessionRouter(len(self.urls))
+        self._publishing, self._router = False, SessionRouter(len(self.urls), first=rank)
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
         self._local = threading.local()
         self._sent = itertools.count()
+        self.sharing = sharing
+        if sharing == "follower":  # the publisher owns the transfer groups and published θ_0
+            self._transports, self._policy_version = [], policy_version
+            return
         self._transports = _join_transfer_groups(self.urls, transport, timeout_s)
         try:
             self._publish_checkpoint(policy_version)
@@ -144,6 +175,40 @@ class VLLMServerEngine(QueuedEngine):
     def publishes_adapter(self) -> bool:
         """Whether :meth:`publish` takes a LoRA adapter's state dict (peft names) instead of full weights."""
         return self.adapter is not None
+
+    @property
+    def shared_servers(self) -> bool:
+        """Whether several learner ranks use these servers (global rank 0's engine publishes, the others follow)."""
+        return self.sharing != "none"
+
+    def served(self) -> ServedVersion:
+        """The version, adapter and servers in rotation now: after a publication, what the followers adopt."""
+        with self._gate:
+            urls = {server: self.urls[server] for server in self._router.alive}
+            return ServedVersion(self._policy_version, self._model, urls)
+
+    def follow(self, served: ServedVersion) -> None:
+        """A follower adopts the publisher's publication: from now on its requests are sent at
+        ``served.policy_version`` (naming ``served.model``) to the servers in ``served.urls`` only — a restarted
+        replica rejoins here, once the publisher published the current version to it; a server the publisher lost
+        leaves rotation. Requests in flight (there are none between batches) finish first.
+
+        Raises:
+            RuntimeError: If this engine publishes itself (``sharing`` is not ``follower``).
+            ValueError: If ``served.policy_version`` does not increase.
+        """
+        if self.sharing != "follower":
+            raise RuntimeError(f"follow() is for a follower's engine; this one's sharing is {self.sharing!r}")
+        with self._gate:
+            self._check_next_version(served.policy_version)
+            self._gate.wait_for(lambda: not any(self._router.in_flight))
+            for server in list(self._router.alive):
+                if server not in served.urls:
+                    self._router.drop(server)
+            for server, url in served.urls.items():
+                self.urls[server] = url.rstrip("/")
+                self._router.readmit(server)
+            self._policy_version, self._model = served.policy_version, served.model
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
         """Install ``state_dict`` on every server at ``policy_version``; returns after each acknowledged.
@@ -160,9 +225,12 @@ class VLLMServerEngine(QueuedEngine):
 
         Raises:
             ValueError: If ``policy_version`` does not increase.
+            RuntimeError: On a ``follower`` (global rank 0's engine publishes; this one :meth:`follow` s it).
             RolloutEngineError: If a server that still answers failed a step, or none acknowledged; the engine is then
                 unusable (servers may disagree).
         """
+        if self.sharing == "follower":
+            raise RuntimeError("a follower's engine does not publish: global rank 0's does, and this one follows it")
         return self._publish(state_dict, policy_version, as_adapter=self.adapter is not None)
 
     def _publish(self, state: Mapping[str, torch.Tensor], policy_version: int, as_adapter: bool) -> PublishReceipt:
@@ -324,7 +392,7 @@ class VLLMServerEngine(QueuedEngine):
             ticket, start = None, time.perf_counter()
             try:
                 # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
-                body = _generate_body(request, f"{request.request_id}#{next(self._sent)}", model)
+                body = generate_body(request, f"{request.request_id}#{next(self._sent)}", model)
                 answer = self._post(self.urls[server], body)
                 break
             except ServerGone as gone:
@@ -333,7 +401,7 @@ class VLLMServerEngine(QueuedEngine):
                 with self._gate:
                     self._router.done(server)
                     self._gate.notify_all()
-        generation = _generation(request, answer, version, model, self.urls[server])
+        generation = checked_generation(request, answer, version, model, self.urls[server])
         return Generation(
             generation.request_id,
             generation.token_ids,
@@ -370,6 +438,16 @@ class VLLMServerEngine(QueuedEngine):
             session = self._local.session = requests.Session()
         try:
             response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
+        except requests.ConnectionError as error:
+            if not answers(url):
+                raise ServerGone(f"vLLM server {url} stopped answering ({type(error).__name__}: {error})") from None
+            # A kept-alive connection the server closed as it was reused (it answers /health): once more on a new
+            # connection, under a new id (the same seed and version: the same tokens).
+            body = {**body, "request_id": f"{body['request_id']}-resent"}
+            try:
+                response = session.post(f"{url}/inference/v1/generate", json=body, timeout=self._timeout_s)
+            except requests.RequestException as again:
+                raise ServerGone(f"vLLM server {url} stopped answering ({type(again).__name__}: {again})") from None
         except requests.RequestException as error:
             raise ServerGone(f"vLLM server {url} stopped answering ({type(error).__name__}: {error})") from None
         if response.status_code != 200:
@@ -377,100 +455,8 @@ class VLLMServerEngine(QueuedEngine):
         return response.json()
 
 
-class SessionRouter:
-    """Which server each request goes to: a session's first request to the server with the fewest requests in
-    flight, its later ones to the same server (its prefix cache holds the earlier turns). Not thread-safe.
-
-    Args:
-        servers: How many servers there are.
-        sessions_kept: Sessions remembered, the least recently used forgotten first.
-    """
-
-    def __init__(self, servers: int, sessions_kept: int = _SESSIONS_KEPT) -> None:
-        self.in_flight = [0] * servers
-        self.alive = list(range(servers))
-        self._sessions: OrderedDict[str, int] = OrderedDict()
-        self._kept = sessions_kept
-
-    def send(self, session: str) -> int:
-        """The server of ``session``'s next request, counted in flight until :meth:`done`."""
-        server = self._sessions.get(session)
-        if server is None or server not in self.alive:
-            server = min(self.alive, key=self.in_flight.__getitem__)
-        self._sessions[session] = server
-        self._sessions.move_to_end(session)
-        if len(self._sessions) > self._kept:
-            self._sessions.popitem(last=False)
-        self.in_flight[server] += 1
-        return server
-
-    def done(self, server: int) -> None:
-        """A request sent to ``server`` came back."""
-        self.in_flight[server] -= 1
-
-    def drop(self, server: int) -> None:
-        """``server`` stopped answering: its sessions move to the others at their next request."""
-        if server in self.alive:
-            self.alive.remove(server)
-
-    def readmit(self, server: int) -> None:
-        """``server`` serves again (a restarted replica that acknowledged the current version)."""
-        if server not in self.alive:
-            self.alive.append(server)
-            self.alive.sort()
-
-
 class ServerGone(RolloutEngineError):
     """A server stopped answering (connection refused, reset or timed out)."""
-
-
-def _generate_body(request: GenerationRequest, request_id: str, model: str | None = None) -> dict[str, Any]:
-    return {
-        **({} if model is None else {"model": model}),  # the adapter of the request's version
-        "request_id": request_id,
-        "token_ids": list(request.prompt_token_ids),
-        "sampling_params": {
-            "max_tokens": request.max_tokens,
-            "seed": request.seed,
-            "temperature": request.temperature,
-            "top_p": 1.0,
-            "top_k": 0,  # 0 disables top-k in this vLLM
-            "stop_token_ids": list(request.stop_token_ids),
-            "ignore_eos": True,  # stop only on the request's stop tokens, like the other engines
-            "logprobs": 0,  # just the sampled token's log-prob
-            "detokenize": False,
-        },
-    }
-
-
-def _generation(
-    request: GenerationRequest, answer: dict[str, Any], version: int, model: str | None, url: str
-) -> Generation:
-    """The :class:`Generation` in ``answer``, refused unless every token was sampled at ``version`` (with the adapter
-    ``model``, when one is served)."""
-    if model is not None and answer.get("model") != model:
-        raise RolloutEngineError(
-            f"vLLM server {url} sampled {request.request_id!r} with {answer.get('model')!r}, but the engine had "
-            f"published adapter {model!r} (version {version}): refusing tokens of another policy"
-        )
-    choice = answer["choices"][0]
-    ids = tuple(choice["token_ids"])
-    spans = choice.get("weight_versions") or []
-    versions = sorted({span["version"] for span in spans})
-    covered = sum(span["end"] - span["start"] for span in spans)
-    if versions != [str(version)] or covered != len(ids):
-        raise RolloutEngineError(
-            f"vLLM server {url} sampled {request.request_id!r} at weight version(s) {versions} (spans {spans}), but "
-            f"the engine had published version {version}: refusing tokens of another policy (is another trainer "
-            "publishing to this server?)"
-        )
-    if choice["finish_reason"] not in ("stop", "length"):
-        raise RolloutEngineError(f"vLLM server {url} finished {request.request_id!r} with {choice['finish_reason']!r}")
-    content = choice["logprobs"]["content"]
-    if [entry["token_id"] for entry in content] != list(ids):
-        raise RolloutEngineError(f"vLLM server {url} returned log-probs of other tokens for {request.request_id!r}")
-    logprobs = tuple(float(entry["logprob"]) for entry in content)
-    return Generation(request.request_id, ids, logprobs, choice["finish_reason"], version)
 
 
 def _probe_ids(policy_dir: Path) -> tuple[int, ...]:

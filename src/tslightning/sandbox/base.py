@@ -14,7 +14,7 @@ from tslightning.sandbox.attempt import AttemptDirectory, Mount, validate_mounts
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.result import CommandResult
-from tslightning.sandbox.supervision import Launch, supervise
+from tslightning.sandbox.supervision import CommandRequest, Launch, supervise
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -119,31 +119,15 @@ class Sandbox(ABC):
             return refusal
         return supervise(
             lambda ready_fd: self._launch(
-                command,
-                limits=run_limits,
-                mounts=visible,
-                cwd=cwd,
-                env=environment,
-                ready_fd=ready_fd,
-                verifier=verifier,
+                CommandRequest(command, run_limits, visible, cwd, environment, ready_fd, verifier)
             ),
             run_limits,
         )
 
     @abstractmethod
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
-        """How to start ``command`` in this backend, which applies the kernel limits inside (``limits_script``, or
-        the sandbox's init)."""
+    def _launch(self, request: CommandRequest) -> Launch:
+        """How to start ``request.command`` in this backend, which applies the kernel limits inside
+        (``limits_script``, or the sandbox's init)."""
 
 
 def refuse_unrunnable(command: str, max_bytes: int | None) -> CommandResult | None:

@@ -46,7 +46,7 @@ from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.file_tree import chown_tree
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.root_filesystem import RootFilesystem
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 from tslightning.sandbox.syscall_filter import syscall_filter
 
 DEFAULT_UNPRIVILEGED_UID = 61000
@@ -145,23 +145,15 @@ class BubblewrapSandbox(Sandbox):
         if self._host_uid is not None and not owned:
             for host in root.writable.values():
                 chown_tree(Path(host), self._host_uid, self._host_uid)
+            for host in root.files.values():
+                os.chown(host, self._host_uid, self._host_uid, follow_symlinks=False)
         self.root = root
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
+    def _launch(self, request: CommandRequest) -> Launch:
         if self._host_uid is not None:
-            _hand_over(self.attempt, mounts, self._host_uid, self.kept_owners(verifier))
-        _unlock_mount_points(self.attempt, mounts)
-        return self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier)
+            _hand_over(self.attempt, request.mounts, self._host_uid, self.kept_owners(request.verifier))
+        _unlock_mount_points(self.attempt, request.mounts)
+        return self._bwrap_launch(request)
 
     def agent_env(self, env: Mapping[str, str], verifier: bool = False) -> dict[str, str]:
         """``env`` with :attr:`home` as ``HOME`` for the agent's commands, unless the task set another."""
@@ -174,25 +166,16 @@ class BubblewrapSandbox(Sandbox):
         runs as an image's non-root user (root's files stay root's)."""
         return ("tests", "app") if self.identity != (0, 0) else ("tests",)
 
-    def _bwrap_launch(
-        self,
-        command: str,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool,
-        joined_network: bool = False,
-    ) -> Launch:
+    def _bwrap_launch(self, request: CommandRequest, joined_network: bool = False) -> Launch:
         """The launch of one command in fresh namespaces, once its directories are handed over (see ``_options``
         for ``joined_network``)."""
         passed = _Descriptors()
         status_read, status_write = os.pipe()
         passed.fds.append(status_write)
+        limits, mounts, verifier = request.limits, request.mounts, request.verifier
         try:
-            config = _init_config(command, limits, mounts, ready_fd, status_write, verifier)
-            options = self._options(limits, mounts, cwd, env, verifier, passed, joined_network)
+            config = _init_config(request.command, limits, mounts, request.ready_fd, status_write, verifier)
+            options = self._options(limits, mounts, request.cwd, request.env, verifier, passed, joined_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/init_process.py", passed.data(config)]
             # bwrap reads its options (with the attempt's host paths) from a descriptor; the command stays in argv.
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))

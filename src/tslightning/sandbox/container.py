@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import uuid
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from pathlib import Path
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
@@ -33,7 +33,7 @@ from tslightning.sandbox.compose import compose_argv, compose_available, compose
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.result import CommandResult
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 
 CONTROL_TIMEOUT_S = 60.0
 """Wall clock of the engine calls around commands (start, copy, kill, remove)."""
@@ -104,17 +104,7 @@ class ContainerSandbox(Sandbox):
             self._copy_out("logs")
         return result
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
+    def _launch(self, request: CommandRequest) -> Launch:
         self._commands += 1
         pid_file = f"/tmp/.tsl-command-{self._commands}.pid"
         # The shell's pid goes to a file first, so a time-out can kill the command inside the container.
@@ -123,9 +113,10 @@ class ContainerSandbox(Sandbox):
         env_file = self.attempt.root / f".tsl-env-{self._commands}"
         descriptor = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as file:
-            file.writelines(f"{name}={value}\n" for name, value in env.items() if "\n" not in value)
-        argv = [self.cli, "exec", "--workdir", cwd, "--env-file", str(env_file)]
-        argv += [self.name, "/bin/bash", "-c", wrapper, "tsl-sandbox", limits_script(limits, ready_fd=None), command]
+            file.writelines(f"{name}={value}\n" for name, value in request.env.items() if "\n" not in value)
+        argv = [self.cli, "exec", "--workdir", request.cwd, "--env-file", str(env_file)]
+        script = limits_script(request.limits, ready_fd=None)
+        argv += [self.name, "/bin/bash", "-c", wrapper, "tsl-sandbox", script, request.command]
         return Launch(
             argv=argv,
             env={**engine_environment(), "PATH": DEFAULT_PATH},

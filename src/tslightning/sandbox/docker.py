@@ -13,13 +13,12 @@ import contextlib
 import shutil
 import subprocess
 import uuid
-from collections.abc import Mapping
 
-from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory
 from tslightning.sandbox.base import DEFAULT_PATH, Sandbox, limits_script
 from tslightning.sandbox.errors import SandboxUnavailableError
 from tslightning.sandbox.limits import SandboxLimits
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 
 DEFAULT_IMAGE = "python:3.11-slim-bookworm"
 _PROBE_TIMEOUT_S = 20.0
@@ -44,27 +43,18 @@ class DockerSandbox(Sandbox):
         self._docker = _engine_cli()
         self.image = image
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
+    def _launch(self, request: CommandRequest) -> Launch:
         name = f"tsl-sandbox-{uuid.uuid4().hex[:16]}"
+        limits = request.limits
         argv = [
             self._docker, "run", "--rm", "--name", name, "--init",
             "--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
             "--memory", str(limits.memory_bytes), "--memory-swap", str(limits.memory_bytes),
             "--pids-limit", str(limits.max_processes),
             "--read-only", "--tmpfs", f"/tmp:rw,size={limits.tmp_bytes}",
-            "--workdir", cwd,
+            "--workdir", request.cwd,
         ]  # fmt: skip
-        for mount in mounts:
+        for mount in request.mounts:
             readonly = ",readonly" if mount == "tests" else ""
             argv += [
                 "--mount",
@@ -72,13 +62,13 @@ class DockerSandbox(Sandbox):
             ]
         for inside, host in sorted(self.shared.items()):
             argv += ["--mount", f"type=bind,source={host},target={inside},readonly"]
-        for variable in env:
+        for variable in request.env:
             argv += ["--env", variable]  # the value is taken from the client's environment, not its argv
         # The readiness descriptor does not cross into a container: setup failures show as docker's exit status 125.
-        argv += [self.image, "/bin/bash", "-c", limits_script(limits, ready_fd=None), "tsl-sandbox", command]
+        argv += [self.image, "/bin/bash", "-c", limits_script(limits, ready_fd=None), "tsl-sandbox", request.command]
         return Launch(
             argv=argv,
-            env={**env, "PATH": DEFAULT_PATH},
+            env={**request.env, "PATH": DEFAULT_PATH},
             reports_readiness=False,
             stop_outside_group=lambda: self._kill_container(name),
         )

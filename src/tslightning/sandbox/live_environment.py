@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
@@ -45,14 +46,22 @@ from tslightning.sandbox.bubblewrap import (
 )
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import SandboxLimits
-from tslightning.sandbox.live_verification import DEFAULT_VERIFIER_UID, beside_argv, hand_over_to_verifier
+from tslightning.sandbox.live_verification import (
+    DEFAULT_VERIFIER_UID,
+    beside_argv,
+    environment_argv,
+    hand_over_to_verifier,
+)
 from tslightning.sandbox.result import CommandResult
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 
 LIVE_MOUNTS: tuple[Mount, ...] = ("app", "oracle")
 """What the live environment shows; a command that needs more (a verifier's ``/tests``, ``/logs``) ends it."""
 START_TIMEOUT_S = 30.0
 END_TIMEOUT_S = 10.0
+STARTUP_SETTLE_S = 2.0
+"""Longest wait, once an environment with a start-up command has started, for that command to listen on a port."""
+_TCP_LISTEN = "0A"
 _TMPFS_POINTS = ("/tmp", "/dev/shm")
 
 _CLIENT = """\
@@ -114,29 +123,17 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         """Whether the environment is running."""
         return self._keeper is not None and self._keeper.poll() is None
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
-        if verifier or not set(mounts) <= set(LIVE_MOUNTS):
+    def _launch(self, request: CommandRequest) -> Launch:
+        if request.verifier or not set(request.mounts) <= set(LIVE_MOUNTS):
             with self._lock:
-                beside = self._launch_beside(command, limits, mounts, cwd, env, ready_fd, verifier)
+                beside = self._launch_beside(request)
             if beside is not None:
                 return beside
             self.end()  # nothing the agent left running outlives into a per-command verifier run
-            return super()._launch(
-                command, limits=limits, mounts=mounts, cwd=cwd, env=env, ready_fd=ready_fd, verifier=verifier
-            )
+            return super()._launch(request)
         with self._lock:
-            self._ensure_live(limits)
-            return self._request(command, limits, cwd, env, ready_fd)
+            self._ensure_live(request.limits)
+            return self._request(request)
 
     def run(
         self,
@@ -167,26 +164,18 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             if ends:
                 self.end()
 
-    def _launch_beside(
-        self,
-        command: str,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool,
-    ) -> Launch | None:
+    def _launch_beside(self, request: CommandRequest) -> Launch | None:
         """The launch of a verifier run beside the running environment, or None where it cannot run beside it."""
         if self._host_uid is None or not self.live or self._netns is None:
             return None
+        mounts = request.mounts
         hand_over_to_verifier(self.attempt, mounts, self._host_uid, self.verifier_uid, self.kept_owners())
         _unlock_mount_points(self.attempt, tuple(mount for mount in mounts if mount != "logs"))
-        joined = not self.agent_network and not self.network_for(verifier)  # else: the host's, or its own
-        launch = self._bwrap_launch(command, limits, mounts, cwd, env, ready_fd, verifier, joined_network=joined)
+        joined = not self.agent_network and not self.network_for(request.verifier)  # else: the host's, or its own
+        launch = self._bwrap_launch(request, joined_network=joined)
         netns = os.dup(self._netns) if joined else None  # inheritable; ``supervise`` closes it once started
         agents = [self.attempt.host_path(mount) for mount in mounts if mount in LIVE_MOUNTS]
-        agents += list(self.root.writable.values()) if self.root is not None else []
+        agents += [*self.root.writable.values(), *self.root.files.values()] if self.root is not None else []
         argv = beside_argv(self.verifier_uid, self._host_uid, netns, agents, launch.argv)
         pass_fds = (*launch.pass_fds, *([netns] if netns is not None else []))
         return replace(launch, argv=argv, user=None, pass_fds=pass_fds)
@@ -207,24 +196,26 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         if not self.live:
             self._start(limits)
 
-    def _request(self, command: str, limits: SandboxLimits, cwd: str, env: Mapping[str, str], ready_fd: int) -> Launch:
+    def _request(self, request: CommandRequest) -> Launch:
+        """The launch of an agent's command inside the running environment (its pid 1 forks it)."""
         self._pin_keeper()
-        config = {"command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd}
-        config["env"] = self.agent_env(env)
+        config = {"command": request.command, "shell": "/bin/bash", "cwd": request.cwd}
+        config |= {"rlimits": kernel_limits(request.limits), "env": self.agent_env(request.env)}
         host_end, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = _Descriptors()  # the configuration (any command length) travels in a memory file
+        passed = _Descriptors()  # the configuration (any command length) travels in a memory file
         try:
-            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(request.data(marshal.dumps(config)))])
+            socket.send_fds(self._control, [b"."], [keeper_end.fileno(), int(passed.data(marshal.dumps(config)))])
         except OSError as error:
             host_end.close()
             raise SandboxError(f"the attempt's live environment stopped answering: {error}") from error
         finally:
             keeper_end.close()
-            request.close()
+            passed.close()
         status_read, status_write = os.pipe()
         client_fd = host_end.detach()
+        client = [str(client_fd), str(request.ready_fd), str(status_write)]
         return Launch(
-            argv=[sys.executable, "-I", "-S", "-B", "-c", _CLIENT, str(client_fd), str(ready_fd), str(status_write)],
+            argv=[sys.executable, "-I", "-S", "-B", "-c", _CLIENT, *client],
             env={"PATH": DEFAULT_PATH},
             pass_fds=(client_fd, status_write),
             status_fd=status_read,
@@ -260,22 +251,26 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
                     "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
-            options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed)
+            own_network = self._host_uid is not None and not self.network_for(False)
+            options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed, joined_network=own_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
             init.append(passed.data(marshal.dumps(environment)))
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
+            argv = [self._bwrap, "--args", options_fd, "--", *init]
+            if own_network:  # the root launcher makes the network (no privileged ports), then becomes the bwrap
+                argv = environment_argv(self._host_uid, argv)
             self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
             self._keeper = subprocess.Popen(
-                [self._bwrap, "--args", options_fd, "--", *init],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=self._keeper_log,
                 stderr=subprocess.STDOUT,
                 env={"PATH": DEFAULT_PATH},
                 start_new_session=True,
                 pass_fds=tuple(passed.fds),
-                user=self._host_uid,
-                group=self._host_uid,
-                extra_groups=[] if self._host_uid is not None else None,
+                user=None if own_network else self._host_uid,
+                group=None if own_network else self._host_uid,
+                extra_groups=[] if self._host_uid is not None and not own_network else None,
             )
         except BaseException:
             control.close()
@@ -286,6 +281,15 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
         self._control = control
         self.starts += 1
         self._wait_started(started_read)
+        if self.startup is not None:
+            self._await_listener()
+
+    def _await_listener(self) -> None:
+        """Give a start-up command up to :data:`STARTUP_SETTLE_S` to listen on a port before the first command runs
+        (Harbor's agent set-up gives an image's service seconds; here the first command follows at once)."""
+        deadline = time.monotonic() + STARTUP_SETTLE_S
+        while self._keeper_pid is not None and not _listening(self._keeper_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _wait_started(self, started_read: int) -> None:
         try:
@@ -330,6 +334,18 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
 
     def close(self) -> None:
         self.end()
+
+
+def _listening(pid: int) -> bool:
+    """Whether a TCP socket listens in the network namespace of process ``pid`` (``/proc/PID/net/tcp``, ``tcp6``)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as sockets:
+                if any(line.split()[3:4] == [_TCP_LISTEN] for line in sockets.readlines()[1:]):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _first_child(pid: int) -> int | None:

@@ -45,6 +45,8 @@ DEFAULT_VERIFIER_UID = DEFAULT_UNPRIVILEGED_UID + 1
 """Host uid (and gid) of a verifier run beside a live environment; distinct from the agent's."""
 LOG_MODE = 0o700
 LAUNCHER = Path(__file__).with_name("verifier_launcher.py")
+ENVIRONMENT_LAUNCHER = LAUNCHER
+"""The same script starting a live environment (its own network, no idmapped binds: it runs wherever bwrap does)."""
 
 
 def hand_over_to_verifier(
@@ -95,4 +97,19 @@ def beside_argv(
     return [*argv, "--", *bwrap_argv]
 
 
-__all__ = ["DEFAULT_VERIFIER_UID", "LAUNCHER", "beside_argv", "hand_over_to_verifier"]
+def environment_argv(agent_uid: int, bwrap_argv: Sequence[str]) -> list[str]:
+    """The host command (run as root) that starts a live environment's bwrap as ``agent_uid`` in a network namespace
+    of its own: loopback up, every port bindable, as in a container (see
+    :mod:`~tslightning.sandbox.verifier_launcher`); ``bwrap_argv`` must not unshare the network itself."""
+    launcher = [sys.executable, "-I", "-S", "-B", str(ENVIRONMENT_LAUNCHER), "--new-net", "1"]
+    return [*launcher, "--uid", str(agent_uid), "--agent-uid", str(agent_uid), "--", *bwrap_argv]
+
+
+__all__ = [
+    "DEFAULT_VERIFIER_UID",
+    "ENVIRONMENT_LAUNCHER",
+    "LAUNCHER",
+    "beside_argv",
+    "environment_argv",
+    "hand_over_to_verifier",
+]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
-from collections.abc import Mapping
 
-from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory
 from tslightning.sandbox.base import Sandbox, limits_script
 from tslightning.sandbox.limits import SandboxLimits
-from tslightning.sandbox.supervision import Launch
+from tslightning.sandbox.supervision import CommandRequest, Launch
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +39,10 @@ class SubprocessSandbox(Sandbox):
         log.warning(NOT_ISOLATED)
         self._bash = shutil.which("bash") or "/bin/bash"
 
-    def _launch(
-        self,
-        command: str,
-        *,
-        limits: SandboxLimits,
-        mounts: tuple[Mount, ...],
-        cwd: str,
-        env: Mapping[str, str],
-        ready_fd: int,
-        verifier: bool = False,
-    ) -> Launch:
-        script = limits_script(limits, ready_fd=ready_fd, shell=self._bash)
-        return Launch(argv=[self._bash, "-c", script, "tsl-sandbox", command], env=env, cwd=self._host_cwd(cwd))
+    def _launch(self, request: CommandRequest) -> Launch:
+        script = limits_script(request.limits, ready_fd=request.ready_fd, shell=self._bash)
+        argv = [self._bash, "-c", script, "tsl-sandbox", request.command]
+        return Launch(argv=argv, env=request.env, cwd=self._host_cwd(request.cwd))
 
     def _host_cwd(self, cwd: str) -> str:
         for mount, point in MOUNT_POINTS.items():

@@ -26,11 +26,14 @@ class RootFilesystem:
         path: The root directory on the host (shown read-only).
         writable: Path inside → host directory bound writable over it (the attempt's private copies).
         interpreter: The Python inside the root that runs the sandbox's init.
+        files: Path inside → host file bound writable over the root's file there (the attempt's private copy, as
+            Docker gives each container its own ``/etc/hosts``).
     """
 
     path: Path
     writable: Mapping[str, Path] = field(default_factory=dict)
     interpreter: str = INTERPRETER
+    files: Mapping[str, Path] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         """What is missing for a sandbox to run in this root (each names the path), else empty."""
@@ -40,11 +43,17 @@ class RootFilesystem:
         for inside, host in self.writable.items():
             if posixpath.normpath(inside) != inside or not inside.startswith("/") or not Path(host).is_dir():
                 found.append(f"writable {inside!r} -> {host} is not an absolute path over a host directory")
+        for inside, host in self.files.items():
+            shown = self.path / inside.lstrip("/")
+            if posixpath.normpath(inside) != inside or not inside.startswith("/") or not Path(host).is_file():
+                found.append(f"file {inside!r} -> {host} is not an absolute path over a host file")
+            elif shown.is_symlink() or not shown.is_file():
+                found.append(f"file {inside!r}: {shown} is not a regular file to bind the copy over")
         return found
 
     def binds(self) -> list[str]:
-        """bwrap options: the root read-only, then each writable copy over it."""
+        """bwrap options: the root read-only, then each writable copy (directories, then files) over it."""
         options = ["--ro-bind", str(self.path), "/"]
-        for inside, host in sorted(self.writable.items()):
+        for inside, host in [*sorted(self.writable.items()), *sorted(self.files.items())]:
             options += ["--bind", str(host), inside]
         return options

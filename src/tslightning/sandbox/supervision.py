@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tslightning.sandbox.attempt import Mount
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.limits import OUTPUT_KILL_FACTOR, SandboxLimits
 from tslightning.sandbox.output import BoundedOutput
@@ -36,6 +37,25 @@ _EVIDENCE: tuple[tuple[LimitName, re.Pattern[str]], ...] = (
     ("cpu", re.compile(r"CPU time limit exceeded")),
 )
 _SIGNAL_LIMITS: Mapping[str, LimitName] = {"SIGXFSZ": "file_size", "SIGXCPU": "cpu"}
+
+
+@dataclass(frozen=True)
+class CommandRequest:
+    """One command a sandbox was asked to run, validated, from which its backend builds a :class:`Launch`."""
+
+    command: str
+    """Shell text, as typed in a terminal (run with ``bash -c``)."""
+    limits: SandboxLimits
+    mounts: tuple[Mount, ...]
+    """The attempt's directories the command sees (``MOUNT_POINTS``)."""
+    cwd: str
+    """Absolute working directory inside the sandbox."""
+    env: Mapping[str, str]
+    """The command's whole environment (``BASE_ENVIRONMENT`` and the run's variables)."""
+    ready_fd: int
+    """Write end of the readiness pipe (see :attr:`Launch.reports_readiness`)."""
+    verifier: bool = False
+    """Run as a task's verifier (the backend's protections of the verifier's own processes apply)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
-"""The host side of a verifier run beside a live environment: run as root by the trainer, it prepares what bwrap
-cannot and then becomes the verifier's bwrap under the verifier's uid.
+"""The host side of a verifier run beside a live environment (and of the environment's start): run as root by the
+trainer, it prepares what bwrap cannot and then becomes the verifier's (the environment's) bwrap under its uid.
 
-``verifier_launcher.py [--net FD] --uid UID --agent-uid AGENT [--idmap PATH]... -- BWRAP_ARGV...``, in order:
+``verifier_launcher.py [--net FD | --new-net 1] --uid UID --agent-uid AGENT [--idmap PATH]... -- BWRAP_ARGV...``, in
+order:
 
-1. enter the network namespace open at ``FD`` (the live environment's);
+1. enter the network namespace open at ``FD`` (the live environment's); or, with ``--new-net``, create the live
+   environment's own: loopback up, and every port bindable by every uid (``net.ipv4.ip_unprivileged_port_start``
+   0, as Docker sets in each container's namespace: a service on port 80 starts as it does in its image);
 2. enter a new, private mount namespace (nothing it mounts shows on the host, and it all goes when the verifier
    ends), and over each ``PATH`` (the agent's directories: ``/app``, the root's writable copies) mount an
    *idmapped* bind of itself in which files of host uid/gid ``AGENT`` show as ``UID``'s: the verifier, under its
@@ -17,7 +20,9 @@ Standard library only, run with ``python -I -S -B`` (it is started by path, not 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import socket
 import struct
 import sys
 
@@ -29,6 +34,7 @@ AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = -100, 0x1000, 0x8000
 OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC = 1, 0o2000000
 MOUNT_ATTR_IDMAP = 0x00100000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 _SYSCALLS = {"x86_64": (428, 429, 442), "aarch64": (428, 429, 442)}
 """open_tree, move_mount, mount_setattr (the same numbers on both ABIs)."""
 
@@ -41,6 +47,8 @@ def main(argv: list[str]) -> None:
         options, command = _parse(argv)
         if options.get("net") is not None:
             _check(_libc.setns(int(options["net"]), CLONE_NEWNET), "enter the environment's network")
+        elif options.get("new-net") is not None:
+            _new_network()
         _check(_libc.unshare(CLONE_NEWNS), "make a private mount namespace")
         _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make the mounts private")
         uid, agent = int(options["uid"]), int(options["agent-uid"])
@@ -72,6 +80,17 @@ def _parse(argv: list[str]) -> tuple[dict, list[str]]:
     if not argv[split + 1 :]:
         raise ValueError("no command after --")
     return options, argv[split + 1 :]
+
+
+def _new_network() -> None:
+    """A new network namespace with loopback up and no privileged ports (see the module docstring)."""
+    _check(_libc.unshare(CLONE_NEWNET), "make the environment's network")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(probe, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+    with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as sysctl:
+        sysctl.write("0\n")
 
 
 def _idmap_namespace(agent: int, uid: int) -> int:

@@ -40,6 +40,12 @@ EnvironmentStatus = Literal["host", "build", "needs image", "needs network at bu
 
 MAPPED_BASES = ("python", "debian", "ubuntu", "buildpack-deps")
 """Base images (Docker Hub's official names, any tag) whose environment a Debian root with Python stands in for."""
+OFFICIAL_IMAGE_MIRRORS = (
+    "docker.io/", "index.docker.io/", "registry-1.docker.io/", "registry.hub.docker.com/",
+    "public.ecr.aws/docker/", "mirror.gcr.io/",
+)  # fmt: skip
+"""Registry prefixes under which Docker Hub's official images (``library/<name>``) are published as they are: many
+published tasks pin ``public.ecr.aws/docker/library/debian:bookworm-slim@sha256:...`` to avoid Docker Hub's limits."""
 TERMINAL_BENCH_1_BASES = {
     "ghcr.io/laude-institute/t-bench/python-3-13": ("python", "3.13"),
     "ghcr.io/laude-institute/t-bench/ubuntu-24-04": ("ubuntu", "24.04"),
@@ -67,6 +73,8 @@ PLACEHOLDER_COMMANDS = frozenset(
 )
 """``CMD`` values that only keep a container alive: no start-up service to run."""
 APP = "/app"
+HARBOR_MAIN_SERVICE = "main"
+"""The compose service Harbor runs the task's own environment in; every other service is a helper container."""
 
 _URL = re.compile(r"\b(?:https?|ftp|git)://([A-Za-z0-9.-]+)")
 _SSH_GIT = re.compile(r"\bgit@([A-Za-z0-9.-]+):")
@@ -156,11 +164,12 @@ def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=N
 
 
 def base_of(image: str) -> tuple[str, str] | None:
-    """``(name, tag)`` of ``image`` when it is one of :data:`MAPPED_BASES` (``docker.io/library/`` prefixes and
-    digests allowed), else ``None``."""
+    """``(name, tag)`` of ``image`` when it is one of :data:`MAPPED_BASES` (Docker Hub's ``library/`` names, also
+    through the registries that mirror them, :data:`OFFICIAL_IMAGE_MIRRORS`; digests allowed), else ``None``."""
     reference = image.split("@", 1)[0]
-    for prefix in ("docker.io/", "index.docker.io/", "library/"):
+    for prefix in OFFICIAL_IMAGE_MIRRORS:
         reference = reference.removeprefix(prefix)
+    reference = reference.removeprefix("library/")
     name, _, tag = reference.partition(":")
     if name in TERMINAL_BENCH_1_BASES:
         name, version = TERMINAL_BENCH_1_BASES[name]
@@ -263,11 +272,18 @@ def _check_compose(environment_dir: Path, findings: _Findings) -> None:
         except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as error:
             findings.add("needs helper container", f"{name}: unreadable compose file ({type(error).__name__})")
             return
-        helpers = sorted(n for n, spec in services.items() if not (isinstance(spec, dict) and "build" in spec))
-        if len(services) > 1 or helpers:
-            listed = ", ".join(helpers) or ", ".join(sorted(services))
-            findings.add("needs helper container", f"{name}: services besides the task's own ({listed})")
+        helpers = sorted(service for service in services if service != _own_service(services))
+        if helpers:
+            findings.add("needs helper container", f"{name}: services besides the task's own ({', '.join(helpers)})")
         return
+
+
+def _own_service(services: dict) -> str | None:
+    """The task's own service of a compose file: Harbor's ``main`` (its build, image and command come from Harbor's
+    base file, so the task's file often overrides only ``depends_on``), else the one that builds, else none."""
+    if HARBOR_MAIN_SERVICE in services:
+        return HARBOR_MAIN_SERVICE
+    return next((name for name, spec in services.items() if isinstance(spec, dict) and "build" in spec), None)
 
 
 def _start_command(entrypoint: Instruction | None, command: Instruction | None) -> str | None:

@@ -24,6 +24,9 @@ from tslightning.tasks.image_user import ROOT_IDS, carry_ownership, home_of
 from tslightning.tasks.terminal_task import TerminalTask
 
 APP = "/app"
+PRIVATE_FILES = ("/etc/hosts",)
+"""Files of the image each attempt gets a private writable copy of, as Docker bind-mounts its own per container (an
+entrypoint routes host names to a local service with ``echo "127.0.0.1 NAME" >> /etc/hosts``)."""
 
 
 def image_for(task: TerminalTask, image: ImageLite | Literal["auto"] | None) -> ImageLite | None:
@@ -66,9 +69,23 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
     owned = (image.uid, image.gid) != ROOT_IDS
     if owned:
         _enter_as_user(image, task, sandbox, [(image_app, attempt.app), *_sources(image, writable)])
-    sandbox.use_root(RootFilesystem(image.rootfs, writable), owned=owned)
+    sandbox.use_root(RootFilesystem(image.rootfs, writable, files=_private_files(image, attempt)), owned=owned)
     if image.start_command and isinstance(sandbox, LiveBubblewrapSandbox):
         sandbox.startup = (image.start_command, task.workdir, task.command_env)
+
+
+def _private_files(image: ImageLite, attempt: AttemptDirectory) -> dict[str, Path]:
+    """The attempt's own copies of :data:`PRIVATE_FILES` (root's, as Docker's are: a ``USER`` cannot write them)."""
+    files = {}
+    for inside in PRIVATE_FILES:
+        source = image.rootfs / inside.lstrip("/")
+        if source.is_symlink() or not source.is_file():
+            continue
+        copy = attempt.root / "image-files" / inside.lstrip("/").replace("/", "-")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, copy)
+        files[inside] = copy
+    return files
 
 
 def _enter_as_user(image: ImageLite, task: TerminalTask, sandbox: BubblewrapSandbox, copies) -> None:

@@ -7,13 +7,15 @@ A Terminal-Bench 1 task::
     Dockerfile            built with the task directory as its context
     docker-compose.yaml   the harness's one-service template, or extra services
     run-tests.sh          run by the harness with TEST_DIR=/tests; often sources the harness's
-                          setup-uv-pytest.sh / run-uv-pytest.sh from there
+                          setup-uv-pytest.sh / run-uv-pytest.sh from there; without one the harness runs its
+                          default runner (those two helpers: pytest on tests/test_outputs.py)
     solution.sh           (or solution.yaml: a list of {command: ...})
     tests/                test_outputs.py, ...
 
 becomes ``instruction.md``, ``task.toml`` (the timeouts, metadata, ``[verifier] env`` with ``TEST_DIR``),
 ``environment/`` (the Dockerfile and every other file of its build context), ``solution/solve.sh`` and ``tests/``:
-the original tests, ``run-tests.sh``, the harness's two helper scripts when ``run-tests.sh`` uses them, and a
+the original tests, ``run-tests.sh`` (the harness's default runner when the task has none), the harness's two helper
+scripts when ``run-tests.sh`` uses them, and a
 ``test.sh`` that runs ``run-tests.sh`` and turns pytest's ``-rA`` summary (what Terminal-Bench 1's pytest parser
 counts) into ``reward.json`` counts and ``reward.txt`` (its exit status when no summary line appears). The harness's
 one-service compose template is dropped (Harbor needs none); a compose file with more services is kept as
@@ -51,6 +53,12 @@ fi
 uv venv .tbench-testing
 source .tbench-testing/bin/activate
 uv pip install pytest==8.4.1
+"""
+_DEFAULT_RUN_TESTS = """#!/bin/bash
+# The Terminal-Bench 1 harness's default test runner (the task has no run-tests.sh of its own), as
+# `tslightning tasks migrate` provides it.
+source "$TEST_DIR/setup-uv-pytest.sh"
+bash "$TEST_DIR/run-uv-pytest.sh"
 """
 _RUN_UV_PYTEST = """#!/bin/bash
 # The Terminal-Bench 1 harness's test run, as `tslightning tasks migrate` provides it.
@@ -142,8 +150,6 @@ def _read_task_yaml(source: Path) -> dict[str, Any]:
         raise MigrationError(f"{source / 'task.yaml'} must be a mapping of keys; got {type(config).__name__}")
     if not _instruction(source, config):
         raise MigrationError(f"{source / 'task.yaml'} has no instruction (nor descriptions with a 'base' entry)")
-    if not (source / "run-tests.sh").is_file():
-        raise MigrationError(f"{source / 'run-tests.sh'} is missing: a Terminal-Bench 1 task needs its test runner")
     if (source / "tests" / "test.sh").exists():
         raise MigrationError(f"{source / 'tests' / 'test.sh'} exists; it would be replaced by the migrated verifier")
     return config
@@ -222,8 +228,12 @@ def _tests(source: Path, tests: Path, migration: Migration) -> None:
         shutil.copytree(source / "tests", tests, symlinks=True)
     else:
         tests.mkdir()
-    run_tests = (source / "run-tests.sh").read_text(encoding="utf-8")
-    shutil.copy2(source / "run-tests.sh", tests / "run-tests.sh")
+    if (source / "run-tests.sh").is_file():
+        shutil.copy2(source / "run-tests.sh", tests / "run-tests.sh")
+    else:
+        (tests / "run-tests.sh").write_text(_DEFAULT_RUN_TESTS)
+        migration.notes.append("tests/run-tests.sh: the harness's default runner (the task has none)")
+    run_tests = (tests / "run-tests.sh").read_text(encoding="utf-8")
     for name, text in zip(HELPER_SCRIPTS, (_SETUP_UV_PYTEST, _RUN_UV_PYTEST), strict=True):
         if name in run_tests and not (tests / name).exists():
             (tests / name).write_text(text)

@@ -55,6 +55,10 @@ MAX_INT_DIGITS = 18
 """Longest integer accepted in ``reward.json``: test counts, far below Python's 4300-digit conversion limit."""
 DEFAULT_REWARD_KEY = "reward"
 """The reward of ``reward.json`` read as the pass fraction unless the trainer chooses another (Harbor's 1-D key)."""
+EVERY_NAMED_REWARD = "*"
+"""The reward key ``tasks validate`` reads when none was chosen: counts, else ``reward``, else -- for a verifier that
+writes only named rewards (``{"correctness": 1, "performance": 1}``) -- every one of them, the smallest read as the
+pass fraction, so a task passes only when each named reward is full."""
 FRACTION_TOLERANCE = 1e-6
 """How closely ``reward.txt`` and ``reward.json`` must agree when both exist (``reward.txt`` is often ``%.6f``)."""
 
@@ -129,6 +133,9 @@ class RewardReading:
             return self.error
         if self.tests_total is not None and self.key == DEFAULT_REWARD_KEY:
             return f"{self.tests_passed}/{self.tests_total} tests passed ({self.source})"
+        if self.key == EVERY_NAMED_REWARD:
+            listed = ", ".join(f"{name} {value:g}" for name, value in sorted(self.named.items()))
+            return f"every named reward ({listed}): pass fraction {self.passed_fraction:g} ({self.source})"
         if self.key != DEFAULT_REWARD_KEY:
             return f"{self.key} {self.passed_fraction:g} ({self.source})"
         return f"pass fraction {self.passed_fraction:g} ({self.source})"
@@ -164,6 +171,10 @@ def parse_reward_json(text: str, key: str = DEFAULT_REWARD_KEY) -> RewardReading
         raise RewardFileError(f"{REWARD_JSON} must be a JSON object; got {type(data).__name__}")
     named = _named_rewards(data)
     counts = _reading_from_counts(data) if "tests_passed" in data or "tests_total" in data else None
+    if key == EVERY_NAMED_REWARD:
+        if counts is None and DEFAULT_REWARD_KEY not in data and named:
+            return _every_named(named)
+        key = DEFAULT_REWARD_KEY
     if counts is not None and key == DEFAULT_REWARD_KEY:
         return replace(counts, named=named, txt_fraction=counts.passed_fraction)
     if key not in data:
@@ -183,12 +194,26 @@ def _named_rewards(data: dict) -> dict[str, float]:
     }
 
 
+def _every_named(named: dict[str, float]) -> RewardReading:
+    """The reading of :data:`EVERY_NAMED_REWARD`: each named reward must be a fraction; the smallest is read."""
+    fractions = {name: _fraction_in_range(value, f"{REWARD_JSON} {name!r}") for name, value in named.items()}
+    smallest = min(fractions.values())
+    return RewardReading(
+        passed_fraction=smallest, source=REWARD_JSON, named=named, key=EVERY_NAMED_REWARD, txt_fraction=smallest
+    )
+
+
+def choose_reward_key(named: dict[str, float]) -> str:
+    """What to do about a ``reward.json`` of named rewards without a ``reward``: name them, and the option."""
+    return (
+        f"{REWARD_JSON} has named rewards {sorted(named)} but no 'reward'; choose the one to train on "
+        "(rollout.reward_key, or --reward_key)"
+    )
+
+
 def _missing_key(key: str, data: dict) -> str:
     if key == DEFAULT_REWARD_KEY and _named_rewards(data):
-        return (
-            f"{REWARD_JSON} has named rewards {sorted(_named_rewards(data))} but no 'reward'; choose the one to train "
-            "on (rollout.reward_key, or --reward_key)"
-        )
+        return choose_reward_key(_named_rewards(data))
     if key == DEFAULT_REWARD_KEY:
         return f"{REWARD_JSON} needs 'tests_passed' and 'tests_total', or 'reward'; got keys {sorted(data) or 'none'}"
     return f"{REWARD_JSON} has no reward {key!r} (the reward key chosen); got keys {sorted(data) or 'none'}"

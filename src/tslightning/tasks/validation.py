@@ -8,13 +8,16 @@ from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them wit
 Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
 or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
 ``needs helper container``; see :mod:`~tslightning.tasks.environment_needs`), with the reason, and no attempt is run:
-a reference solution is never reported as failing when the environment is the cause. Build time (``-`` when the
-host stands in) and each attempt's set-up time (opening the environment until the agent could act) are reported.
+a reference solution is never reported as failing when the environment is the cause. A reference that fails after a
+write the read-only root refused (``mkdir /data``: a container's root is writable throughout) is ``needs image``.
+Build time (``-`` when the host stands in) and each attempt's set-up time (opening the environment until the agent
+could act) are reported.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -26,7 +29,13 @@ from tslightning.sandbox import CommandResult
 from tslightning.sandbox.compose import compose_available
 from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
 from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
-from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme, max_reward
+from tslightning.tasks.rewards import (
+    DEFAULT_REWARD_KEY,
+    EVERY_NAMED_REWARD,
+    RewardScheme,
+    choose_reward_key,
+    max_reward,
+)
 from tslightning.tasks.task_attempt import SandboxFactory, TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.task_steps import run_steps
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
@@ -38,6 +47,7 @@ __all__ = [
     "format_table",
     "unmet_needs",
     "library_dir",
+    "read_only_writes",
     "sandbox_factory",
     "validate_task",
     "validate_tasks",
@@ -104,12 +114,15 @@ def validate_task(
         task_dir: The task directory.
         scheme: Reward scheme the verdicts are reported in.
         make_attempt_sandbox: Makes each attempt's sandbox (default: bubblewrap).
-        reward_key: The named reward of ``reward.json`` read as the pass fraction.
+        reward_key: The named reward of ``reward.json`` read as the pass fraction; left at ``reward``, a verifier
+            that writes only named rewards passes when every one of them is full (``EVERY_NAMED_REWARD``).
         allow_internet: Let a task that allows the internet reach it (see ``TerminalTaskAttempt``).
         containers: The attempts run in a container engine (its name, or True for docker), which builds or pulls
             the images itself and runs helper containers with compose.
     """
     factory = make_attempt_sandbox or sandbox_factory()
+    if reward_key == DEFAULT_REWARD_KEY:
+        reward_key = EVERY_NAMED_REWARD
     try:
         task = TerminalTask.load(task_dir)
     except TaskFormatError as error:
@@ -131,14 +144,44 @@ def validate_task(
         _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
     )
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
+    refused = [] if reference.passed else read_only_writes(reference.output, reference.reason)
+    if refused:  # the environment, not the task, failed the reference: say so instead of "invalid"
+        problems.insert(0, _read_only_problem(refused))
     return TaskValidation(
         task.name,
         task.root,
         noop=noop,
         reference=reference,
         problems=tuple(problems),
+        needs="needs image" if refused else None,
         build_s=build_s,
         setup_s=(noop_setup + reference_setup) / 2,
+    )
+
+
+_READ_ONLY = re.compile(
+    r"\[Errno 30\] Read-only file system: '(/[^']*)'"  # Python's OSError
+    r"|[‘'](/[^'’]*)[’']: Read-only file system"  # coreutils: cannot create directory '/data' (or ‘/data’)
+    r"|(/[^\s:'\"’]+): Read-only file system"  # the shell: script: line 3: /etc/motd: ...
+)
+READ_ONLY_BY_DESIGN = ("/tests",)
+"""Read-only here and writable in Harbor's container, but only for caches (pytest's ``.pytest_cache`` warning)."""
+
+
+def read_only_writes(*outputs: str) -> list[str]:
+    """The paths ``outputs`` show a write refused with ``EROFS`` at (outside :data:`READ_ONLY_BY_DESIGN`): places a
+    container's writable root allows and this environment's read-only root does not (``/data`` at the top, ...)."""
+    matches = [match for text in outputs for match in _READ_ONLY.finditer(text)]
+    paths = [next(group for group in match.groups() if group) for match in matches]
+    allowed = [p for p in paths if not any(p == d or p.startswith(f"{d}/") for d in READ_ONLY_BY_DESIGN)]
+    return list(dict.fromkeys(allowed))
+
+
+def _read_only_problem(paths: list[str]) -> str:
+    return (
+        f"the reference's run wrote to {', '.join(paths)}, read-only here (an attempt writes /app, /tmp and, in a "
+        "built image, its own copies of the working directory, /root, /home, /var/tmp and /etc/hosts); a container's "
+        "root is writable throughout: it needs its image"
     )
 
 
@@ -280,8 +323,11 @@ def _reference_problems(reference: VerifierResult, scheme: RewardScheme) -> list
     if reference.passed:
         return []
     expected = max_reward(scheme)
+    reason = reference.reason
+    if reference.reading is not None and reference.reading.key == EVERY_NAMED_REWARD:
+        reason += f"; {choose_reward_key(reference.reading.named)} if not every one must be full"
     return [
-        f"reference solution scored {reference.reward:g} (expected {expected:g}): {reference.reason}\n"
+        f"reference solution scored {reference.reward:g} (expected {expected:g}): {reason}\n"
         f"    verifier output tail:\n{_indent(reference.output_tail(), '      ')}"
     ]
 
