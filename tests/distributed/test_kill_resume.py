@@ -2,12 +2,13 @@
 preempted job is, resumed with ``--resume`` from the CLI, ends with the uninterrupted run's parameters.
 
 Each strategy runs the command until ``update-1`` is on disk, then kills the whole process group (``kill -9``, no
-clean-up of any kind), then resumes from ``update-1`` for the last update; both record their batches. The
-uninterrupted run on those same recorded batches is their batch-synchronous replay in one process from ``policy-0``
-(rollouts themselves are not bitwise reproducible: the rollout pool batches turns by arrival). The resumed θ must
-equal it relative to the step (Eq. 30) in float32 (≤ 1e-4, as the other multi-rank tests: neither Fabric's
-ModelParallelStrategy nor DeepSpeed has a float64 precision; ``test_sharded_resume`` checks FSDP2's restore in float64),
-and nothing may be counted twice or lost across the kill.
+clean-up of any kind), then resumes from ``update-1`` for the last update; both record their batches (rollouts
+themselves are not bitwise reproducible: the rollout pool batches turns by arrival). The uninterrupted run on those
+same recorded batches is ``fit --replay_batches`` on the same strategy and 2 ranks from the run's ``policy-0``: the
+resumed θ must equal it **bitwise** (every tensor; neither Fabric's ModelParallelStrategy nor DeepSpeed has a
+float64 precision, so this is float32). The resumed θ must also equal the batch-synchronous replay of the union of
+both ranks' batches in one process relative to the step (Eq. 30, ≤ 1e-4 as the other float32 multi-rank tests): the
+streamed, sharded update is the synchronous one. Nothing may be counted twice or lost across the kill.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from recorded_replay import sync_replay_of_every_rank
 
 from tslightning.callbacks.checkpoint_layout import consolidated_module_state
+from tslightning.models.tiny_model import load_tiny_model
 
 STRATEGIES = ("fsdp", "deepspeed_stage_2")
 TOLERANCE = 1e-4
@@ -88,11 +90,39 @@ def _run_and_kill(out: Path, strategy: str) -> None:
     assert checkpoint.is_dir(), (out.parent / f"{out.name}.log").read_text()[-3000:]
 
 
-def _final(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    directory = out / "checkpoints" / f"update-{UPDATES - 1}"
+def _final(out: Path, update: int = UPDATES - 1) -> tuple[dict[str, torch.Tensor], dict]:
+    directory = out / "checkpoints" / f"update-{update}"
     meta = json.loads((directory / "meta.json").read_text())
     state = consolidated_module_state(directory / "state.pt", meta["layout"])
     return {name.split("policy.", 1)[-1]: tensor for name, tensor in state.items()}, meta  # the module's `policy.`
+
+
+def _replay(run: Path, out: Path, strategy: str) -> None:
+    """The uninterrupted run on ``run``'s recorded batches: ``fit --replay_batches`` on the same strategy and ranks,
+    from ``run``'s θ_0 (its ``policy-0``, no warm start of its own)."""
+    theta0 = [f"--model.path={run / 'policy-0'}", "--warm_start.steps=0"]
+    _run(out, strategy, f"--replay_batches={run / 'batches'}", *theta0, "--record_batches=false")
+
+
+def _differing(theta: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Tensors not bitwise equal, with their largest absolute difference."""
+    return {
+        name: float((theta[name].double() - reference[name].double()).abs().max())
+        for name in reference
+        if not torch.equal(theta[name], reference[name])
+    }
+
+
+def _first_divergence(run: Path, replay: Path) -> str:
+    """The first checkpointed update at which ``run`` and ``replay`` differ (where to look when they do)."""
+    for update in range(UPDATES):
+        if (run / "checkpoints" / f"update-{update}").is_dir():
+            differing = _differing(_final(run, update)[0], _final(replay, update)[0])
+            if differing:
+                worst = max(differing, key=differing.get)
+                where = f"max |Δ| {differing[worst]:.3e} in {worst}"
+                return f"first differs after update {update}: {len(differing)} tensor(s), {where}"
+    return "no checkpoint differs"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -106,6 +136,17 @@ def test_a_killed_two_rank_fit_resumes_to_the_uninterrupted_parameters(tmp_path,
     theta, meta = _final(out)
     assert meta["layout"] == strategy and meta["world_size"] == 2
     assert meta["policy_version"] == UPDATES and meta["trajectories_seen"] == UPDATES * 2 * 4  # none twice, none lost
+    replay = tmp_path / "replay"
+    _replay(out, replay, strategy)
+    initial_run, _ = load_tiny_model(out / "policy-0")
+    initial_replay, _ = load_tiny_model(replay / "policy-0")
+    for name, tensor in initial_run.state_dict().items():  # the same θ_0
+        assert torch.equal(initial_replay.state_dict()[name], tensor), name
+    uninterrupted, replay_meta = _final(replay)
+    assert replay_meta["policy_version"] == UPDATES and replay_meta["trajectories_seen"] == meta["trajectories_seen"]
+    assert uninterrupted.keys() == theta.keys()
+    assert not _differing(theta, uninterrupted), f"{strategy}: {_first_divergence(out, replay)}"
+
     replayed, initial = sync_replay_of_every_rank(out, UPDATES)
     assert theta.keys() == replayed.keys()
 

@@ -1,7 +1,7 @@
 """The training loop behind ``tslightning fit``: its typed settings (:mod:`.settings`), start-up of tasks, policy,
 engine and teacher (:mod:`.startup`), one update under each schedule (:mod:`.updates`), checkpoints and resume
-(:mod:`.resume`), the supervised warm start (:mod:`.warm_start`), and the loop itself, read top to bottom
-(:mod:`.fit`).
+(:mod:`.resume`), the supervised warm start (:mod:`.warm_start`), recording and replaying each rank's batches
+(:mod:`.batch_recording`, :mod:`.batch_replay`), and the loop itself, read top to bottom (:mod:`.fit`).
 
 Layer: above rollout, learner and callbacks, which it wires together; below the commands and the CLI.
 """

@@ -18,6 +18,7 @@ from typing import Literal
 import lightning as L
 import torch
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from tqdm.auto import tqdm
 
 from tslightning.callbacks import (
@@ -34,6 +35,7 @@ from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
+from tslightning.loop.batch_replay import RecordedBatches
 from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
 from tslightning.loop.run_config import resolved_config
@@ -63,8 +65,11 @@ from tslightning.loop.updates import (
     one_update,
     peak_memory_mb,
     record_update,
+    rollout_outcome,
 )
 from tslightning.measure.timeline import plot_timeline
+from tslightning.rollout.engine import RolloutEngine
+from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 
 def fit(
@@ -92,6 +97,7 @@ def fit(
     learner: LearnerSettings = LearnerSettings(),  # noqa: B008
     progress: bool = True,
     record_batches: bool = False,
+    replay_batches: str | None = None,
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
 
@@ -136,6 +142,11 @@ def fit(
         progress: Show a progress bar.
         record_batches: Save each rank's stream items of every update under ``<out_dir>/batches/`` for an offline
             replay (:mod:`tslightning.loop.batch_recording`); schedules ``sync``, ``thundersync`` and ``fully_async``.
+        replay_batches: A recorded run's ``<out_dir>/batches``: each rank ingests, per update, exactly the items it
+            recorded, in the recorded order, instead of rolling out; no rollout engine or teacher is started and
+            nothing is published (:mod:`tslightning.loop.batch_replay`). Needs a file per rank and update, recorded
+            on this world size with this objective at the versions the replay reaches (a ``sync`` or
+            ``thundersync`` recording); schedules ``sync`` and ``thundersync``.
     """
     arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
     tasks = preflight(**arguments)  # every problem at once, before anything is written
@@ -145,7 +156,9 @@ def fit(
     torch.manual_seed(seed)
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
     module_clips = learner.strategy in PARTITIONED  # gradients live in ZeRO's engine or in shards
-    publisher = WeightPublisher(every_rank=learner.world_size > 1)  # its engine: this rank's, started after launch
+    replay = None if replay_batches is None else Path(replay_batches)
+    # A replay starts no engine: nothing serves θ, so nothing publishes it (not a publisher with nobody to talk to).
+    publisher = None if replay else WeightPublisher(every_rank=learner.world_size > 1)  # engine: set after launch
     recorder = ReleaseTraceRecorder(out / "trace")  # its datamodule: likewise
     fabric = L.Fabric(
         accelerator=accelerator,
@@ -157,7 +170,7 @@ def fit(
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
             *([] if module_clips else [GradientClipping(max_grad_norm)]),
-            publisher,
+            *([publisher] if publisher else []),
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
             recorder,
@@ -172,29 +185,14 @@ def fit(
         policy, tokenizer, policy_dir = prepare_policy(
             fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
         )
-        with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
-            context = agent_limits(rollout, policy.config).max_context_tokens
-            engine = started.enter_context(
-                start_engine(
-                    rollout,
-                    policy_dir,
-                    serving_dtype(model.precision),
-                    placement,
-                    learner.world_size,
-                    context,
-                    lora=model.lora,
-                )
+        if replay is None:
+            engine, datamodule = _start_rollout(
+                started, fabric, placement, policy, tokenizer, policy_dir, tasks, out, **arguments
             )
-            teacher = None
-            if objective == "opd":
-                teacher = start_teacher(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement)
-                started.callback(teacher.close)
-        datamodule = rollout_datamodule(
-            rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates
-        )
-        started.callback(datamodule.teardown, "fit")  # prefetched environments no update took are closed
-        datamodule.share_with(fabric.global_rank, fabric.world_size, spread_groups=learner.shard_statistics)
-        publisher.engine, recorder.datamodule = engine, datamodule
+            publisher.engine, recorder.datamodule = engine, datamodule
+        else:
+            engine, datamodule = None, RecordedBatches(replay, fabric.global_rank)
+            rank_zero_info(f"replay_batches: replaying {replay}; no rollout engine is started, nothing is published")
         module = StreamingPolicyModule(
             policy,
             objective,
@@ -226,6 +224,47 @@ def fit(
             staleness_bound,
             batches,
         )
+
+
+def _start_rollout(
+    started: contextlib.ExitStack,
+    fabric,
+    placement,
+    policy,
+    tokenizer,
+    policy_dir: Path,
+    tasks,
+    out: Path,
+    *,
+    updates: int,
+    objective: str,
+    seed: int,
+    model: ModelSettings,
+    rollout: RolloutSettings,
+    warm_start: WarmStartSettings,
+    learner: LearnerSettings,
+    resume: str | None,
+    **unused,
+) -> tuple[RolloutEngine, RolloutDataModule]:
+    """This rank's rollout engine (and OPD teacher) serving ``policy_dir``, and the rollout DataModule streaming its
+    share of each batch from them; both are closed when ``started`` unwinds."""
+    with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
+        context = agent_limits(rollout, policy.config).max_context_tokens
+        engine = started.enter_context(
+            start_engine(
+                rollout, policy_dir, serving_dtype(model.precision), placement, learner.world_size, context, model.lora
+            )
+        )
+        teacher = None
+        if objective == "opd":
+            teacher = start_teacher(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement)
+            started.callback(teacher.close)
+    datamodule = rollout_datamodule(
+        rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates
+    )
+    started.callback(datamodule.teardown, "fit")  # prefetched environments no update took are closed
+    datamodule.share_with(fabric.global_rank, fabric.world_size, spread_groups=learner.shard_statistics)
+    return engine, datamodule
 
 
 def _set_up(fabric, module: StreamingPolicyModule, strategy: str):
@@ -264,6 +303,7 @@ def _run_updates(
         if schedule == "fully_async"
         else None
     )
+    replay = isinstance(datamodule, RecordedBatches)
     try:
         for update in bar:
             start = time.perf_counter()
@@ -279,7 +319,8 @@ def _run_updates(
                 one_update(fabric, module, optimizer, items, update)
             else:
                 prefetched = one_step_off_update(fabric, module, optimizer, datamodule, update, updates, prefetched)
-            record_update(fabric, module, datamodule, result, update, start, schedule, bar)
+            outcome = datamodule.outcome(update) if replay else rollout_outcome(datamodule, update, schedule)
+            record_update(fabric, module, outcome, result, update, start, bar)
     finally:
         if continuous is not None:
             continuous.close()  # stops the producer

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.settings import OptimizerSettings
+from tslightning.loop.batch_replay import replay_problems
 from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
@@ -81,6 +82,7 @@ def preflight(
     accelerator: str,
     learner: LearnerSettings,
     record_batches: bool = False,
+    replay_batches: str | None = None,
     **unchecked: Any,
 ) -> list:
     """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
@@ -101,7 +103,7 @@ def preflight(
     problems += _objective_problems(objective, schedule, advantage, rollout)
     problems += spread_group_problems(objective, rollout, learner, group_admission_cap)
     problems += _machine_problems(accelerator, rollout, learner, model)
-    problems += server_problems(rollout)
+    problems += server_problems(rollout) if replay_batches is None else []  # a replay talks to no server
     problems += process_group_problems(learner)
     problems += statistics_problems(
         objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
@@ -111,7 +113,18 @@ def preflight(
     )
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
-    missing = _model_paths_missing(model, objective) + missing_checkpoint(resume)
+    replay, replay_missing = replay_problems(
+        replay_batches,
+        updates=updates,
+        objective=objective,
+        schedule=schedule,
+        learner=learner,
+        out_dir=out_dir,
+        record_batches=record_batches,
+        overwrite=overwrite,
+    )
+    problems += replay
+    missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
     error = settings_error(problems + tasks.problems, missing + tasks.missing)
     if error is not None:

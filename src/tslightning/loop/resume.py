@@ -109,20 +109,22 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
     """Restore a checkpoint into the set-up module, optimizer and callbacks; returns the next update index.
 
     The replicas still serve θ_0 from startup: publishing the restored θ_k at version k before update k samples
-    anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's).
+    anything keeps the resumed run zero-stale (and ``BatchPlan`` versions matching the module's). ``engine`` is
+    ``None`` only in a replay (``fit --replay_batches``), which starts no engine: the restored θ_k is served to no one.
     """
     try:
         callbacks = checkpointed_callbacks(fabric)
         point = restore_checkpoint(path, module, [optimizer], callbacks, fabric.global_rank, fabric)
     except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
         raise InvalidSettingsError([str(error)]) from error
-    adapter = bool(getattr(engine, "publishes_adapter", False))  # LoRA on vLLM servers: the adapter alone
-    shared = fabric.world_size > 1 and bool(getattr(engine, "shared_servers", False))  # rank 0 publishes for all
-    keep = not shared or fabric.global_rank == 0
-    weights = full_weights(module.policy, adapter=adapter, keep=keep)  # every rank: sharded weights are gathered
-    if shared:
-        publish_to_shared_servers(engine, weights, point.policy_version, fabric.global_rank)
-    elif fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
-        engine.publish(weights(), point.policy_version)
+    if engine is not None:  # the same on every rank: a replay is the whole run's setting
+        adapter = bool(getattr(engine, "publishes_adapter", False))  # LoRA on vLLM servers: the adapter alone
+        shared = fabric.world_size > 1 and bool(getattr(engine, "shared_servers", False))  # rank 0 publishes for all
+        keep = not shared or fabric.global_rank == 0
+        weights = full_weights(module.policy, adapter=adapter, keep=keep)  # every rank: sharded weights are gathered
+        if shared:
+            publish_to_shared_servers(engine, weights, point.policy_version, fabric.global_rank)
+        elif fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
+            engine.publish(weights(), point.policy_version)
     fabric.barrier()
     return point.next_update

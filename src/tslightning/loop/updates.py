@@ -7,6 +7,7 @@ callback only the names its hook takes.
 
 from __future__ import annotations
 
+import math
 import resource
 import threading
 import time
@@ -34,6 +35,25 @@ class FitResult:
     peak_learner_memory_mb: float = 0.0
     """Peak learner memory: CUDA max allocated on a GPU, else this process's max resident set (MiB)."""
     out_dir: str = ""
+
+
+@dataclass
+class RolloutOutcome:
+    """What one update's rollout gave this rank, for the per-update record (summed over ranks there).
+
+    Attributes:
+        rewards: This rank's trajectory rewards.
+        teacher_gap: OPD: Σ (log π_T − log π_θk) over this rank's scored tokens (0 when unknown).
+        teacher_tokens: How many tokens ``teacher_gap`` sums over (0: no gap to log).
+        metrics: This rank's other rollout metrics (name → value), logged as they are.
+        rewards_known: False when the batch cannot hold rewards (an OPD replay): no mean reward is logged.
+    """
+
+    rewards: list[float]
+    teacher_gap: float = 0.0
+    teacher_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    rewards_known: bool = True
 
 
 def one_update(fabric, module, optimizer, stream: Iterator, update: int) -> None:
@@ -122,22 +142,32 @@ def continuous_items(batches):
     yield from next(batches)
 
 
-def record_update(fabric, module, datamodule, result: FitResult, update: int, start: float, schedule: str, bar) -> None:
-    """Reward, step time and schedule metrics of one finished update, over every rank's share (a collective)."""
+def rollout_outcome(datamodule: RolloutDataModule, update: int, schedule: str) -> RolloutOutcome:
+    """This rank's rewards, OPD teacher gap and environment metrics of update ``update``'s rollout."""
     trajectories = datamodule.trajectories[update]
     rewards = [t.reward for t in trajectories if t.reward is not None]
     gap, tokens = map(sum, zip(*(t.teacher_gap() for t in trajectories), strict=True)) if trajectories else (0, 0)
-    totals = torch.tensor([sum(rewards), len(rewards), gap, tokens], dtype=torch.float64)
-    control_all_reduce(totals)  # every rank's share; host numbers go over gloo (NCCL rejects them)
-    reward_sum, num_rewards, gap, tokens = totals.tolist()
-    result.mean_rewards.append(reward_sum / max(num_rewards, 1))
-    result.step_seconds.append(time.perf_counter() - start)
-    metrics = {"train/mean_reward": result.mean_rewards[-1]}
     # this rank's attempts' waits for their environments: set-up on the rollout's critical path (prefetch hides it)
-    metrics["rollout/environment_wait_s"] = datamodule.environment_seconds(update)
-    metrics["rollout/prefetched_environments"] = float(datamodule.prefetched_environments(update))
+    metrics = {
+        "rollout/environment_wait_s": datamodule.environment_seconds(update),
+        "rollout/prefetched_environments": float(datamodule.prefetched_environments(update)),
+    }
     if schedule == "fully_async":  # groups beyond the staleness bound are dropped, never trained silently
         metrics["staleness/dropped_groups"] = float(datamodule.dropped_groups)
+    return RolloutOutcome(rewards, gap, int(tokens), metrics)
+
+
+def record_update(fabric, module, outcome: RolloutOutcome, result: FitResult, update: int, start: float, bar) -> None:
+    """Reward, step time and schedule metrics of one finished update, over every rank's share (a collective)."""
+    known = float(outcome.rewards_known)
+    totals = [sum(outcome.rewards), len(outcome.rewards), outcome.teacher_gap, outcome.teacher_tokens, known]
+    totals = torch.tensor(totals, dtype=torch.float64)
+    control_all_reduce(totals)  # every rank's share; host numbers go over gloo (NCCL rejects them)
+    reward_sum, num_rewards, gap, tokens, known = totals.tolist()
+    result.mean_rewards.append(reward_sum / max(num_rewards, 1) if known else math.nan)  # nan: none recorded
+    result.step_seconds.append(time.perf_counter() - start)
+    metrics = {"train/mean_reward": result.mean_rewards[-1]} if known else {}
+    metrics |= outcome.metrics
     if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
         metrics["train/teacher_logprob_gap"] = gap / tokens
         result.teacher_gaps.append(gap / tokens)
