@@ -12,6 +12,11 @@ import torch
 from tslightning.learner.precision import compute_norms_in_float64
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
+# The shared check modules assert for the tests that import them: rewrite them too, so a failure shows its values.
+pytest.register_assert_rewrite(
+    "engine_checks", "harness", "reference", "recorded_replay", "multirank_cases", "resume_cases", "replica_fault"
+)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

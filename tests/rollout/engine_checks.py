@@ -97,11 +97,12 @@ def check_each_request_is_ready_when_done(engine: RolloutEngine, prompts) -> Non
     not per batch (ordering only, no speed)."""
     lengths = [400, 2, 100]
     done: list[str] = []
-    lock = threading.Lock()
+    recorded = threading.Condition()
 
     def record(future):
-        with lock:
+        with recorded:
             done.append(future.result().request_id)
+            recorded.notify_all()
 
     futures = [engine.submit(GenerationRequest(f"len{n}", prompts[0], n, seed=n)) for n in lengths]
     for future in futures:
@@ -110,6 +111,9 @@ def check_each_request_is_ready_when_done(engine: RolloutEngine, prompts) -> Non
     assert not futures[0].done(), "the 2-token turn waited for the 400-token one: a batch-sized wave"
     for future in futures:
         future.result(120)
+    # A future's waiters wake before its done-callbacks run: wait for the last callback, not for the result.
+    with recorded:
+        assert recorded.wait_for(lambda: len(done) == len(lengths), timeout=30), f"callbacks ran for {done} only"
     assert done == ["len2", "len100", "len400"]
 
 
