@@ -1,8 +1,12 @@
-"""The batch-synchronous replay of what a multi-rank ``fit --record_batches true`` recorded: the reference a run's
-parameters are compared with (App. G protocol, across ranks)."""
+"""A ``tslightning fit`` run in a subprocess and the batch-synchronous replay of what it recorded
+(``--record_batches true``): the reference a run's parameters are compared with (App. G protocol, across ranks)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -15,20 +19,53 @@ from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.loop.batch_recording import load_batches
 from tslightning.models.tiny_model import load_tiny_model
 
-QUICKSTART = Path(__file__).parents[2] / "configs" / "quickstart.yaml"
+ROOT = Path(__file__).parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def run_fit(out: Path, *options: str, config: Path = QUICKSTART, timeout: float = 600) -> None:
+    """``tslightning fit --config config`` into ``out`` (no progress bar, one thread per rank), asserting it exits 0;
+    this directory is on the ranks' ``PYTHONPATH`` for callbacks defined beside the tests (``ParameterDump``)."""
+    command = [sys.executable, "-m", "tslightning.cli", "fit", "--config", str(config)]
+    command += ["--progress", "false", "--out_dir", str(out), *options]
+    pythonpath = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def dump_parameters(out: Path) -> list[str]:
+    """The ``--callbacks`` option that has every rank save its final parameters to ``out/theta-rank{r}.pt``."""
+    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
+    return ["--callbacks", json.dumps([dump])]
+
+
+def trace(out: Path, rank: int = 0, record: str | None = None) -> list[dict]:
+    """Rank ``rank``'s release-trace entries (only those of kind ``record`` when given)."""
+    lines = (out / "trace" / f"trace-rank{rank}.jsonl").read_text().splitlines()
+    return [entry for entry in map(json.loads, lines) if record is None or entry["record"] == record]
 
 
 def sync_replay_of_every_rank(
-    out: Path, updates: int, dtype: torch.dtype = torch.float32
+    out: Path, updates: int, dtype: torch.dtype = torch.float32, config_path: Path = QUICKSTART
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """θ after ``updates`` sync updates in one process on the union of every rank's recorded batches (from
-    ``out/batches``), starting from ``out/policy-0`` in ``dtype`` with the quickstart's optimizer; and that θ_0."""
-    config = yaml.safe_load(QUICKSTART.read_text())
+    ``out/batches``; one rank's alone for a one-rank run), starting from ``out/policy-0`` in ``dtype`` with the
+    objective, optimizer and clipping of the run's config ``config_path``; and that θ_0."""
+    config = yaml.safe_load(config_path.read_text())
     policy, _ = load_tiny_model(out / "policy-0")
     policy = policy.to(dtype)
     initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
     settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
-    module = StreamingPolicyModule(policy, "grpo", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
+    module = StreamingPolicyModule(
+        policy, config["objective"], "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings
+    )
     optimizer = module.configure_optimizers()
     for update in range(updates):
         ranks = load_batches(out / "batches", update)
@@ -42,3 +79,13 @@ def sync_replay_of_every_rank(
         module.ingest(BatchClosed(plans[0].policy_version))
         module.barrier(optimizer)
     return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial
+
+
+def relative_gap(fitted: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor], initial: dict) -> float:
+    """‖θ_run − θ_replay‖ / ‖θ_run − θ_0‖ over every parameter, in float64 (Eq. 30's gap relative to the step);
+    asserts the run moved at all, so a run that trained nothing cannot pass."""
+    names = sorted(fitted)
+    run, replay, start = (torch.cat([s[n].flatten().double() for n in names]) for s in (fitted, replayed, initial))
+    moved = float((run - start).norm())
+    assert moved > 0, "the run did not move the parameters"
+    return float((replay - run).norm()) / moved

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multirank_cases import DTYPES, TIMEOUT_S, run_case
-from recorded_replay import sync_replay_of_every_rank
+from recorded_replay import dump_parameters, relative_gap, run_fit, sync_replay_of_every_rank, trace
 
 CASES = ["grpo-sync", "grpo-thundersync", "opd-sync", "opd-thundersync"]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -37,28 +37,6 @@ def _launch(out: Path, strategy: str, *cases: str, timeout: float = 300) -> subp
         text=True,
         timeout=timeout,
     )
-
-
-def _fit(out: Path, *options: str, timeout: float = 600) -> None:
-    """``tslightning fit`` on the quickstart into ``out`` (no progress bar, one thread per rank), asserting it exits 0;
-    this directory is on the ranks' ``PYTHONPATH`` for callbacks defined beside the tests."""
-    command = [sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml"]
-    command += ["--progress", "false", "--out_dir", str(out), *options]
-    pythonpath = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def _trace(out: Path, rank: int) -> list[dict]:
-    """Rank ``rank``'s release-trace records."""
-    return [json.loads(line) for line in (out / "trace" / f"trace-rank{rank}.jsonl").read_text().splitlines()]
 
 
 def _load(out: Path, strategy: str, case: str, rank: int) -> dict:
@@ -204,14 +182,14 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     out = tmp_path / "run"
-    _fit(
+    run_fit(
         out, "--learner.devices", "2", "--learner.strategy", strategy, "--checkpoint.enabled", "false",
         "--updates", "2", "--warm_start.steps", "600",
     )  # fmt: skip
     rewards = json.loads((out / "rewards.json").read_text())
     assert len(rewards["mean_rewards"]) == 2
     for rank in (0, 1):  # each rank streamed its own share and served it
-        records = _trace(out, rank)
+        records = trace(out, rank)
         assert any(r["record"] == "source" for r in records), f"rank {rank} recorded no learner work"
     assert not (out / "checkpoints").exists()
     with (out / "csv" / "version_0" / "metrics.csv").open() as f:
@@ -224,14 +202,14 @@ def test_fit_with_sharded_statistics_spreads_every_group_over_both_ranks(tmp_pat
     """`fit` under FSDP2 with `shard_statistics` and a global admission cap of 1: both ranks serve a share of every
     group (round-robin trajectories) and the run finishes."""
     out = tmp_path / "run"
-    _fit(
+    run_fit(
         out, "--learner.devices", "2", "--learner.strategy", "fsdp", "--learner.shard_statistics", "true",
         "--group_admission_cap", "1", "--checkpoint.enabled", "false", "--updates", "2",
     )  # fmt: skip
     assert len(json.loads((out / "rewards.json").read_text())["mean_rewards"]) == 2
     shares = []
     for rank in (0, 1):
-        records = _trace(out, rank)
+        records = trace(out, rank)
         shares.append({(r["group"], r["trajectory"]) for r in records if r["record"] == "source" and r["update"] == 0})
     assert not shares[0] & shares[1] and len(shares[0] | shares[1]) == 4 * 4  # quickstart: P = 4, m = 4
     assert {g for g, _ in shares[0]} == {g for g, _ in shares[1]} and len({g for g, _ in shares[0]}) == 4
@@ -243,20 +221,13 @@ def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     both ranks' recorded batches from the same θ_0."""
     pytest.importorskip("vllm")
     out = tmp_path / "run"
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    _fit(
+    run_fit(
         out, "--rollout.engine", "vllm", "--learner.devices", "2", "--learner.strategy", "ddp", "--updates", "2",
         "--warm_start.steps", "600", "--record_batches", "true", "--checkpoint.enabled", "false",
-        "--callbacks", json.dumps([dump]), timeout=900,
+        *dump_parameters(out), timeout=900,
     )  # fmt: skip
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
 
     replayed, initial = sync_replay_of_every_rank(out, updates=2)
-    names = sorted(thetas[0])
-    fitted = torch.cat([thetas[0][n].flatten().double() for n in names])
-    replay = torch.cat([replayed[n].flatten().double() for n in names])
-    start = torch.cat([initial[n].flatten().double() for n in names])
-    moved = float((fitted - start).norm())
-    assert moved > 0
-    assert float((replay - fitted).norm()) / moved <= PARAMETER_TOLERANCE[torch.float32]
+    assert relative_gap(thetas[0], replayed, initial) <= PARAMETER_TOLERANCE[torch.float32]

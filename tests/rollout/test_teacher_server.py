@@ -4,8 +4,6 @@ recorded batches, and a teacher that is unreachable or has another tokenizer or 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
 
 from tslightning.models.tiny_model import load_tiny_model
 from tslightning.rollout.teacher import TeacherScorer
@@ -21,6 +18,10 @@ from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.rollout.vllm_server_check import PROBE_TEXT
 
 ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' fit runner and replay, shared
+from recorded_replay import dump_parameters, relative_gap, run_fit, sync_replay_of_every_rank  # noqa: E402
+
+OPD_CONFIG = ROOT / "configs" / "quickstart_opd.yaml"
 UPDATES = 2
 LOGPROB_TOLERANCE = 1e-4
 """float32: vLLM's CPU kernels against transformers' on the same weights."""
@@ -94,56 +95,17 @@ def test_fit_refuses_an_unreachable_teacher_before_writing_anything(tmp_path):
 
 def test_opd_fit_scored_by_the_server_equals_the_sync_replay(vllm_teacher_server, tmp_path):
     out = tmp_path / "run"
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    command = [
-        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart_opd.yaml",
-        "--rollout.teacher_url", vllm_teacher_server.url, "--updates", str(UPDATES), "--warm_start.steps", "100",
+    run_fit(
+        out, "--rollout.teacher_url", vllm_teacher_server.url, "--updates", str(UPDATES), "--warm_start.steps", "100",
         "--rollout.max_context_tokens", "4095",  # the server's 4096 hold a whole turn plus the token it generates
-        "--rollout.prompts_per_update", "2", "--out_dir", str(out), "--progress", "false",
-        "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        "--rollout.prompts_per_update", "2", "--record_batches", "true", "--checkpoint.enabled", "false",
+        *dump_parameters(out), config=OPD_CONFIG,
+    )  # fmt: skip
     assert not (out / "teacher-0").exists()  # no in-process teacher was built
 
     fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
-    replayed, initial = _sync_replay(out, UPDATES)
-    names = sorted(fitted)
-    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (fitted, replayed, initial)]
-    moved = float((flat[0] - flat[2]).norm())
-    assert moved > 0
-    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
-
-
-def _sync_replay(out: Path, updates: int) -> tuple[dict, dict]:
-    """θ after ``updates`` sync OPD updates on the recorded batches (teacher log-probs as the server gave them), from
-    the run's θ_0; and θ_0."""
-    from tslightning.core.sources import BatchClosed
-    from tslightning.learner.settings import OptimizerSettings
-    from tslightning.learner.streaming_module import StreamingPolicyModule
-    from tslightning.loop.batch_recording import load_batches
-
-    config = yaml.safe_load((ROOT / "configs" / "quickstart_opd.yaml").read_text())
-    policy, _ = load_tiny_model(out / "policy-0")
-    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
-    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
-    module = StreamingPolicyModule(policy, "opd", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
-    optimizer = module.configure_optimizers()
-    for update in range(updates):
-        (items,) = load_batches(out / "batches", update).values()
-        for item in items:
-            module.ingest(item)
-        assert isinstance(items[-1], BatchClosed)
-        module.barrier(optimizer)
-    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial
+    replayed, initial = sync_replay_of_every_rank(out, UPDATES, config_path=OPD_CONFIG)
+    assert relative_gap(fitted, replayed, initial) <= PARAMETER_TOLERANCE
 
 
 class _Session:

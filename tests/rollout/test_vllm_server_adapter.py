@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,9 @@ from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
 from tslightning.rollout.vllm_server_adapter import AdapterSpec, adapter_name, adapter_problems, write_adapter
 
 ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' fit runner, shared
+from recorded_replay import dump_parameters, run_fit  # noqa: E402
+
 UPDATES = 2
 LOGPROB_TOLERANCE = 1e-4
 """float32: vLLM's CPU kernels against transformers' on the same weights (measured ~5e-7)."""
@@ -97,24 +98,11 @@ def test_tokens_sampled_with_another_adapter_are_refused():
 
 def _fit(url: str, out: Path, *extra: str) -> None:
     """``fit`` quickstart with ``model.lora`` on the server at ``url``, θ saved by ParameterDump at the end."""
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    command = [
-        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
-        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{url}]",
+    run_fit(
+        out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{url}]",
         "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--optimizer.lr", "0.003", "--updates", str(UPDATES),
-        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false",
-        "--callbacks", json.dumps([dump]), *extra,
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},  # parameter_dump.ParameterDump
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", *dump_parameters(out), *extra,
+    )  # fmt: skip
 
 
 def _learner_logprobs(out: Path) -> torch.Tensor:

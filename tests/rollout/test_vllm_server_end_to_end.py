@@ -7,20 +7,16 @@ both ranks' batches."""
 from __future__ import annotations
 
 import csv
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import requests
 import torch
-import yaml
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' replay, shared
-from recorded_replay import sync_replay_of_every_rank  # noqa: E402
+from recorded_replay import dump_parameters, relative_gap, run_fit, sync_replay_of_every_rank, trace  # noqa: E402
 
 UPDATES = 3
 PARAMETER_TOLERANCE = 1e-4
@@ -29,30 +25,18 @@ PARAMETER_TOLERANCE = 1e-4
 
 def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_server, tmp_path):
     out = tmp_path / "run"
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    command = [
-        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
-        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]", "--updates", str(UPDATES),
-        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false",
-        "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},  # parameter_dump.ParameterDump
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_fit(
+        out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]",
+        "--updates", str(UPDATES), "--warm_start.steps", "300", "--rollout.prompts_per_update", "4",
+        "--record_batches", "true", "--checkpoint.enabled", "false", *dump_parameters(out),
+    )  # fmt: skip
 
     rows = list(csv.DictReader((out / "csv" / "version_0" / "metrics.csv").open()))
     assert [float(r["staleness/max_policy_lag"]) for r in rows if r.get("staleness/max_policy_lag")] == [0.0] * 3
     assert len([r for r in rows if r.get("timing_s/update_weights")]) == UPDATES  # θ_1..θ_3 acknowledged
     assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": str(UPDATES)}
 
-    sources = _trace(out, "source")
+    sources = trace(out, record="source")
     assert sorted({s["update"] for s in sources}) == list(range(UPDATES))
     assert all(s["policy_version"] == s["update"] for s in sources)  # every token of update k sampled at θ_k
     for update in range(UPDATES):
@@ -61,12 +45,7 @@ def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_ser
         assert len(ready) == 16 and len(set(ready)) == len(ready)  # 4 prompts x 4 samples, each ready on its own
 
     fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
-    replayed, initial = _sync_replay(out, UPDATES)
-    names = sorted(fitted)
-    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (fitted, replayed, initial)]
-    moved = float((flat[0] - flat[2]).norm())
-    assert moved > 0
-    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
+    assert relative_gap(fitted, *sync_replay_of_every_rank(out, UPDATES)) <= PARAMETER_TOLERANCE
 
 
 SHARED_UPDATES = 2
@@ -81,24 +60,12 @@ def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_upd
     out = tmp_path / "run"
     routes = ("POST /pause", "POST /finish_weight_update", "POST /init_weight_transfer_engine")
     before = [_server_log_count(vllm_server.log, route) for route in routes]
-    dump = {"class_path": "parameter_dump.ParameterDump", "init_args": {"path": str(out)}}
-    command = [
-        sys.executable, "-m", "tslightning.cli", "fit", "--config", "configs/quickstart.yaml",
-        "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]", "--learner.devices", "2",
-        "--learner.strategy", strategy, "--updates", str(SHARED_UPDATES), "--warm_start.steps", "300",
-        "--rollout.prompts_per_update", "4", "--out_dir", str(out), "--progress", "false", "--record_batches", "true",
-        "--checkpoint.enabled", "false", "--callbacks", json.dumps([dump]),
-    ]  # fmt: skip
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT / "tests" / "distributed"), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_fit(
+        out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]",
+        "--learner.devices", "2", "--learner.strategy", strategy, "--updates", str(SHARED_UPDATES),
+        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--record_batches", "true",
+        "--checkpoint.enabled", "false", *dump_parameters(out),
+    )  # fmt: skip
 
     # θ_0 at start-up, then θ_1..θ_U: each paused and transferred once, by rank 0's engine alone.
     pauses, finished, groups = (_server_log_count(vllm_server.log, r) - b for r, b in zip(routes, before, strict=True))
@@ -106,48 +73,15 @@ def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_upd
     assert groups == 1  # one weight-transfer group: rank 0's
     assert requests.get(f"{vllm_server.url}/weight_info", timeout=10).json() == {"weight_version": str(SHARED_UPDATES)}
     for update in range(SHARED_UPDATES):
-        shares = [[s for s in _trace(out, "source", rank) if s["update"] == update] for rank in (0, 1)]
+        shares = [[s for s in trace(out, rank, "source") if s["update"] == update] for rank in (0, 1)]
         assert all(shares) and sum(map(len, shares)) == 16  # both ranks sampled their share on the server
         assert all(s["policy_version"] == update for share in shares for s in share)
 
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
-    replayed, initial = sync_replay_of_every_rank(out, SHARED_UPDATES)
-    names = sorted(thetas[0])
-    flat = [torch.cat([state[n].flatten().double() for n in names]) for state in (thetas[0], replayed, initial)]
-    moved = float((flat[0] - flat[2]).norm())
-    assert moved > 0
-    assert float((flat[1] - flat[0]).norm()) / moved <= PARAMETER_TOLERANCE
+    assert relative_gap(thetas[0], *sync_replay_of_every_rank(out, SHARED_UPDATES)) <= PARAMETER_TOLERANCE
 
 
 def _server_log_count(log: Path, fragment: str) -> int:
     """Lines of the server's log (its access log) holding ``fragment``."""
     return sum(fragment in line for line in log.read_text(errors="replace").splitlines())
-
-
-def _trace(out: Path, record: str, rank: int = 0) -> list[dict]:
-    lines = (out / "trace" / f"trace-rank{rank}.jsonl").read_text().splitlines()
-    return [entry for entry in map(json.loads, lines) if entry["record"] == record]
-
-
-def _sync_replay(out: Path, updates: int) -> tuple[dict, dict]:
-    """θ after ``updates`` sync updates on the recorded batches, from the run's θ_0; and θ_0."""
-    from tslightning.core.sources import BatchClosed
-    from tslightning.learner.settings import OptimizerSettings
-    from tslightning.learner.streaming_module import StreamingPolicyModule
-    from tslightning.loop.batch_recording import load_batches
-    from tslightning.models.tiny_model import load_tiny_model
-
-    config = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    policy, _ = load_tiny_model(out / "policy-0")
-    initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
-    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
-    module = StreamingPolicyModule(policy, "grpo", "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings)
-    optimizer = module.configure_optimizers()
-    for update in range(updates):
-        (items,) = load_batches(out / "batches", update).values()
-        for item in items:
-            module.ingest(item)
-        assert isinstance(items[-1], BatchClosed)
-        module.barrier(optimizer)
-    return {name: tensor.detach() for name, tensor in policy.state_dict().items()}, initial

@@ -7,7 +7,6 @@ The layout is the one Harbor / Terminal-Bench 2 tasks expect: the agent works in
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Literal
 
 from tslightning.sandbox.attempt_parent import attempt_parent
 from tslightning.sandbox.file_tree import remove_tree
+from tslightning.sandbox.tree_copy import copy_tree
 
 Mount = Literal["app", "tests", "logs", "oracle"]
 
@@ -63,7 +63,7 @@ class AttemptDirectory:
             for subdir in _HOST_SUBDIRS.values():
                 (self._root / subdir).mkdir(parents=True)
             if environment is not None:
-                shutil.copytree(environment, self._root / "app", symlinks=True, dirs_exist_ok=True)
+                copy_tree(environment, self._root / "app")
         except BaseException:
             self.close()
             raise

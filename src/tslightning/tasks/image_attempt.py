@@ -19,6 +19,7 @@ from typing import Literal
 from tslightning.sandbox import AttemptDirectory, BubblewrapSandbox, LiveBubblewrapSandbox, Sandbox
 from tslightning.sandbox.errors import SandboxUnavailableError
 from tslightning.sandbox.root_filesystem import RootFilesystem
+from tslightning.sandbox.tree_copy import copy_tree
 from tslightning.tasks.image_lite import WRITABLE, ImageLite, build_image
 from tslightning.tasks.image_user import ROOT_IDS, carry_ownership, home_of
 from tslightning.tasks.terminal_task import TerminalTask
@@ -54,7 +55,7 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
         )
     image_app = image.rootfs / APP.lstrip("/")
     if image_app.is_dir():
-        shutil.copytree(image_app, attempt.app, symlinks=True, dirs_exist_ok=True)
+        copy_tree(image_app, attempt.app)
     writable = {}
     candidates = list(dict.fromkeys([task.workdir, *WRITABLE]))
     for inside in candidates:
@@ -64,7 +65,7 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
         if any(inside.startswith(f"{other.rstrip('/')}/") for other in candidates if other != "/"):
             continue  # inside another copy (a working directory under /home): that copy holds it
         host = attempt.root / "image-rw" / inside.lstrip("/")
-        shutil.copytree(source, host, symlinks=True)
+        copy_tree(source, host)
         writable[inside] = host
     owned = (image.uid, image.gid) != ROOT_IDS
     if owned:
