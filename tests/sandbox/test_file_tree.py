@@ -116,3 +116,53 @@ def test_another_user_removes_what_it_owns_even_locked():
     assert done.returncode == 0, done.stderr
     assert not root.exists()
     file_tree.remove_tree(tmp_path)
+
+
+def _workdir(tmp_path):
+    """The trainer's files to place: a file, a nested file, a symlink."""
+    source = tmp_path / "workdir"
+    (source / "data").mkdir(parents=True)
+    (source / "items.txt").write_text("apples\n")
+    (source / "items.txt").chmod(0o640)
+    (source / "data" / "rows.csv").write_text("1,2\n")
+    (source / "link").symlink_to("items.txt")
+    return source
+
+
+def test_place_tree_replaces_what_the_agent_left_instead_of_writing_through_it(tmp_path):
+    source = _workdir(tmp_path)
+    victim = tmp_path / "host-file"
+    victim.write_text("host's own")
+    host_dir = tmp_path / "host-dir"
+    host_dir.mkdir()
+    app = tmp_path / "app"
+    (app / "sub").mkdir(parents=True)
+    (app / "sub" / "items.txt").symlink_to(victim)  # a link at a file's name: would overwrite the host file
+    (app / "sub" / "data").symlink_to(host_dir)  # a link at a directory's name: would write into the host's
+    os.mkfifo(app / "sub" / "link")  # a FIFO: opening it for writing would block
+    (app / "sub" / "mine.txt").write_text("agent's")
+
+    file_tree.place_tree(source, app, "sub")
+
+    assert victim.read_text() == "host's own" and not any(host_dir.iterdir())
+    placed = app / "sub"
+    assert (placed / "items.txt").read_text() == "apples\n" and not (placed / "items.txt").is_symlink()
+    assert stat.S_IMODE((placed / "items.txt").stat().st_mode) == 0o640
+    assert (placed / "data").is_dir() and not (placed / "data").is_symlink()
+    assert (placed / "data" / "rows.csv").read_text() == "1,2\n"
+    assert os.readlink(placed / "link") == "items.txt"
+    assert (placed / "mine.txt").read_text() == "agent's"  # what the copy does not touch stays
+
+
+def test_place_tree_refuses_a_directory_in_a_files_place_and_paths_that_leave(tmp_path):
+    source = _workdir(tmp_path)
+    app = tmp_path / "app"
+    (app / "items.txt").mkdir(parents=True)
+    with pytest.raises(OSError, match="'items.txt': the attempt has a directory there"):
+        file_tree.place_tree(source, app)
+    for below in ("../outside", "/etc"):
+        with pytest.raises(ValueError, match="not a path below"):
+            file_tree.place_tree(source, app, below)
+    (app / "gone").symlink_to(tmp_path)  # a link on the way to ``below`` is replaced, not followed
+    file_tree.place_tree(source, app, "gone/deeper")
+    assert (app / "gone" / "deeper" / "items.txt").is_file() and not (tmp_path / "deeper").exists()

@@ -57,3 +57,18 @@ def test_the_final_strategy_takes_the_last_verified_step(task):
     with TerminalTaskAttempt(final, scheme="binary") as attempt:
         verdict, _ = run_steps(attempt, lambda step, instruction: attempt.run_command("printf '# Notes\\n' > notes.md"))
     assert verdict.passed_fraction == 0.5 and verdict.reward == 0.0  # extend: notes.md lacks the bullets
+
+
+def test_a_link_the_agent_plants_for_the_next_steps_files_writes_nothing_outside(task, tmp_path):
+    """Step one's agent links ``items.txt`` (which step two's ``workdir/`` brings) to a host file: the trainer
+    replaces the link with the step's file; the host file is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("host's own\n")
+    victim.chmod(0o666)
+    commands = {"create": f"printf '# Notes\\n' > notes.md && ln -s {victim} items.txt", "extend": "true"}
+    with TerminalTaskAttempt(task) as attempt:
+        _, outcomes = run_steps(attempt, lambda step, instruction: attempt.run_command(commands[step.name]))
+        items = attempt.attempt.app / "items.txt"
+        assert not items.is_symlink() and items.read_text().startswith("apples")
+    assert victim.read_text() == "host's own\n"
+    assert [outcome.name for outcome in outcomes] == ["create", "extend"]

@@ -15,6 +15,7 @@ runs it inside the sandbox too, where every import adds to each command's start.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -232,3 +233,91 @@ def disk_usage(root: str | os.PathLike[str], *, unlock: bool = False) -> int:
 
     root_stat = walk_tree(root, visit, unlock=unlock)
     return total + max(root_stat.st_blocks * 512, MIN_ENTRY_BYTES)
+
+
+def place_tree(source: str | os.PathLike[str], target: str | os.PathLike[str], below: str = ".") -> None:
+    """Copy the contents of the trusted directory ``source`` into ``below`` (a relative path, created as needed)
+    under ``target``, a directory an attempt's commands write in, without following anything they left there.
+
+    What a command may have put at a path the copy writes to is replaced, not written through: a symlink (to a host
+    file the trainer, as root, could otherwise overwrite) or a FIFO (whose opening would block) in place of a file or
+    directory is removed first, and every step is descriptor-relative with ``O_NOFOLLOW``, so a link swapped in
+    meanwhile fails the copy instead of redirecting it. Files get ``source``'s modes and times; directories that
+    exist keep theirs.
+
+    Raises:
+        ValueError: ``below`` leaves ``target`` (absolute, or with ``..``).
+        OSError: a directory of the attempt's stands where ``source`` has a file, or an entry changed during the
+            copy (the message names it).
+    """
+    parts = [part for part in os.path.normpath(below).split(os.sep) if part not in ("", ".")]
+    if os.path.isabs(below) or ".." in parts:
+        raise ValueError(f"cannot place files at {below!r}: not a path below {os.fspath(target)!r}")
+    source = os.fspath(source)
+    for directory, names, files in os.walk(source):  # the trainer's own tree: plain paths are fine
+        inside = os.path.relpath(directory, source)
+        fd = _open_below(target, [*parts, *(p for p in inside.split(os.sep) if p != ".")])
+        try:
+            for name in [*names, *files]:
+                _place_entry(os.path.join(directory, name), fd, name, name in names)
+        finally:
+            os.close(fd)
+
+
+def _open_below(target: str | os.PathLike[str], parts: list[str]) -> int:
+    """A descriptor of ``target/parts...``, each part a real directory (made when missing or not a directory)."""
+    fd = os.open(target, _DIR_FLAGS)
+    try:
+        for part in parts:
+            child = _real_directory(fd, part)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _real_directory(fd: int, name: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENOTDIR):  # a symlink; a file or FIFO
+            raise
+        os.unlink(name, dir_fd=fd)
+    os.mkdir(name, 0o755, dir_fd=fd)
+    return os.open(name, _DIR_FLAGS, dir_fd=fd)
+
+
+def _place_entry(path: str, fd: int, name: str, is_directory: bool) -> None:
+    """Place ``path`` (a file or symlink of the source; directories are entered by the walk) as ``name`` in ``fd``."""
+    info = os.lstat(path)
+    if is_directory and not stat.S_ISLNK(info.st_mode):
+        os.close(_real_directory(fd, name))
+        return
+    try:
+        os.unlink(name, dir_fd=fd)  # whatever the attempt left there: a file, a link, a FIFO
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError as error:
+        raise OSError(f"cannot place {name!r}: the attempt has a directory there") from error
+    if stat.S_ISLNK(info.st_mode):
+        os.symlink(os.readlink(path), name, dir_fd=fd)
+        return
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        out = os.open(name, flags, stat.S_IMODE(info.st_mode), dir_fd=fd)
+    except FileExistsError as error:
+        raise OSError(f"cannot place {name!r}: something was put there during the copy") from error
+    try:
+        with open(path, "rb") as data:
+            while chunk := data.read(1 << 20):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(out, view) :]
+        os.fchmod(out, stat.S_IMODE(info.st_mode))
+        os.utime(out, ns=(info.st_atime_ns, info.st_mtime_ns))
+    finally:
+        os.close(out)

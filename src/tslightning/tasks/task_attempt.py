@@ -9,7 +9,6 @@ directory and with its ``[environment] env``; :meth:`verify` then runs the task'
 from __future__ import annotations
 
 import posixpath
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -25,6 +24,7 @@ from tslightning.sandbox import (
     Sandbox,
     make_sandbox,
 )
+from tslightning.sandbox.file_tree import place_tree
 from tslightning.tasks.container_image import prepare_container
 from tslightning.tasks.image_attempt import enter_image, image_for
 from tslightning.tasks.image_lite import ImageLite
@@ -135,6 +135,7 @@ class TerminalTaskAttempt:
 
         Raises:
             ValueError: ``target`` is not under ``/app`` (the only place this sandbox can write).
+            OSError: the agent left a directory where ``source`` has a file, or changed the tree during the copy.
         """
         if isinstance(self.sandbox, ContainerSandbox):
             self.sandbox.copy_into(str(source), target)
@@ -142,7 +143,7 @@ class TerminalTaskAttempt:
         relative = posixpath.relpath(posixpath.normpath(target), APP)
         if relative.startswith(".."):
             raise ValueError(f"cannot place files at {target}: this environment shows only {APP}")
-        shutil.copytree(source, self.attempt.app / relative, symlinks=True, dirs_exist_ok=True)
+        place_tree(source, self.attempt.app, relative)  # /app is the agent's: never write through its links
 
     def verify(self, tests: Path | None = None, settings: VerifierSettings | None = None) -> float:
         """Run the task's verifier (or ``tests`` with ``settings``, a step's) and return the reward (0 with a

@@ -71,7 +71,10 @@ def _prepare(attempt: TerminalTaskAttempt, task: TerminalTask, step: StepSetting
     source = task.step_dir(step.name) / WORKDIR
     if not source.is_dir():
         return ""
-    attempt.upload(source, attempt.workdir)
+    try:
+        attempt.upload(source, attempt.workdir)
+    except OSError as error:  # what the agent left in the way: this attempt's step fails, training goes on
+        return f"step {step.name!r}: could not place its {WORKDIR}/: {error}"
     if not (source / SETUP_SCRIPT).is_file():
         return ""
     result = attempt.run_command(f"bash ./{SETUP_SCRIPT} && rm -f ./{SETUP_SCRIPT}")
