@@ -180,6 +180,40 @@ def test_the_next_updates_attempts_take_environments_set_up_before_they_began(to
     assert environments.open_now == []
 
 
+class _HeldCloses(Environments):
+    """Once update 0's sixth (last) environment is open, its attempts close only once a seventh (update 1's,
+    prepared ahead) is open, or after 5 s; records how many of update 0's were open when it opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_update_began = threading.Event()
+        self.open_when_next_began: int | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, task):
+        with super().__call__(task) as attempt:
+            if len(self.opened) == 7:
+                self.open_when_next_began = len(self.open_now) - 1
+                self.next_update_began.set()
+            yield attempt
+            if len(self.opened) >= 6:
+                self.next_update_began.wait(5)
+
+
+def test_the_next_updates_set_up_starts_once_this_updates_environments_are_open(tokenizer):
+    """The set-up threads turn to update 1 as soon as update 0's last attempt has its environment: update 1's first
+    environment opens while update 0's attempts still run (their turns, tools and verifiers), not after them."""
+    environments = _HeldCloses()
+    dm = _datamodule(tokenizer, environments, prefetch=4, updates=2)
+    try:
+        list(dm.stream_update(0))
+        assert environments.next_update_began.is_set()
+        assert environments.open_when_next_began >= 1  # update 0's last attempts were still running
+    finally:
+        dm.teardown("fit")
+    assert environments.open_now == []
+
+
 def test_prefetch_does_not_change_which_tasks_seeds_or_rewards_an_update_gets(tokenizer):
     def run(prefetch: int) -> list:
         dm = _datamodule(tokenizer, Environments(), prefetch=prefetch, updates=3)

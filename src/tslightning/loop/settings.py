@@ -175,11 +175,12 @@ class RolloutSettings:
     max_concurrent_attempts: int = 8
     """Attempts (trajectories) in flight at once; each holds a sandbox."""
     prefetch_environments: int = 8
-    """Environment prefetch (terminal tasks; ``sync``, ``thundersync``, ``async``): once update k's last trajectory
-    is sampled, open the first this many attempt environments of update k+1 (their tasks are known from the data
-    order, and an environment never depends on the policy) while the learner's tail, barrier and publication run,
-    so those attempts start without set-up. Each holds a sandbox beside the ``max_concurrent_attempts`` running;
-    0: off (every attempt opens its own when it starts)."""
+    """Environment prefetch (terminal tasks; ``sync``, ``thundersync``, ``async``): once update k's last attempt
+    has opened its environment, open the first this many attempt environments of update k+1 (their tasks are known
+    from the data order, and an environment never depends on the policy) while update k's turns, tools, verifiers,
+    the learner's tail, barrier and publication run, so those attempts start without set-up. Each holds a sandbox
+    (and its image's start-up services) beside the ``max_concurrent_attempts`` running; 0: off (every attempt opens
+    its own when it starts)."""
     max_turns: int = 4
     """Agent turns per attempt."""
     max_tokens_per_turn: int = 96

@@ -1,12 +1,14 @@
-"""Environment prefetch: update k+1's attempt environments, set up while update k's tail, barrier and publication run.
+"""Environment prefetch: update k+1's attempt environments, set up while update k's turns, tail and barrier run.
 
 An attempt's environment (its directory, private copies of the image's writable directories, the live sandbox and
 the image's start-up command) depends on the task alone, never on the policy, and update k+1's tasks are fixed by the
-data order before θ_{k+1} exists. So when update k's last trajectory has been sampled, the rollout DataModule asks
-:class:`EnvironmentPrefetch` to open the first ``capacity`` attempts of update k+1, in the order they will start, on a
-small thread pool. Each attempt of update k+1 then takes a prepared environment of its task, if there is one, instead
-of opening a fresh one; it is the same object the attempt factory would have returned, opened the same way, only
-earlier. Nothing else is done early: no command runs in it, no sampling seed or task choice moves.
+data order before θ_{k+1} exists. So when update k's last attempt has opened its environment (the set-up threads have
+nothing left to do for update k), the rollout DataModule asks :class:`EnvironmentPrefetch` to open the first
+``capacity`` attempts of update k+1, in the order they will start, on a small thread pool, while update k's turns,
+tool calls, verifiers, the learner's tail, the barrier and the publication run. Each attempt of update k+1 then takes
+a prepared environment of its task, if there is one, instead of opening a fresh one; it is the same object the
+attempt factory would have returned, opened the same way, only earlier. Nothing else is done early: no agent command
+runs in it, no sampling seed or task choice moves.
 
 Bounds and cleanup: at most ``capacity`` environments are prepared at a time; :meth:`EnvironmentPrefetch.discard`
 closes every environment an update did not take (more prepared than its attempts, a failed rollout) and

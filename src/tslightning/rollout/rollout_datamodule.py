@@ -105,9 +105,10 @@ class RolloutDataModule(L.LightningDataModule):
         world_size: Learner ranks sharing each logical batch of ``prompts_per_update`` prompts.
         cpus: Cores the agent loop runs on (its event-loop thread and tool threads), e.g. the rollout replicas'
             cores, so the loop's Python work does not compete with a learner in this process; ``None``: unchanged.
-        prefetch_environments: When update k's last trajectory has been sampled, open update k+1's first this many
-            attempt environments ahead (:mod:`~tslightning.rollout.environment_prefetch`), while the learner's
-            tail, barrier and publication run; 0: every attempt opens its own when it starts. Schedules that roll
+        prefetch_environments: When update k's last attempt has opened its environment, open update k+1's first
+            this many attempt environments ahead (:mod:`~tslightning.rollout.environment_prefetch`), while update
+            k's turns, tools, verifiers, the learner's tail, barrier and publication run; 0: every attempt opens its
+            own when it starts. Schedules that roll
             out one update at a time (``sync``, ``thundersync``, ``async``), not ``stream_continuous``.
     """
 
@@ -178,6 +179,10 @@ class RolloutDataModule(L.LightningDataModule):
         )
         self.environment_setup = EnvironmentSetup(attempt_factory, self.cpus)
         """Opens and closes the attempts' environments on threads of their own, off the agent loop."""
+        self._unopened: dict[int, int] = {}
+        """Per update: its attempts that have not opened their environment yet."""
+        self._prefetching: int | None = None
+        """The update whose environments the prefetch was last asked to prepare."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
@@ -343,7 +348,8 @@ class RolloutDataModule(L.LightningDataModule):
                 self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
             )
             self.trajectories[update] = trajectories
-            self._prefetch_after(update)  # the last trajectory is sampled: the learner's tail and barrier come next
+            if self._prefetching != update + 1:  # an attempt failed to open: update k+1's set-up starts now
+                self._prefetch_after(update)
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
             if self.prefetch is not None:
@@ -354,6 +360,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Close what update ``update`` left prepared; prepare update ``update + 1``'s first environments."""
         if self.prefetch is None:
             return
+        self._prefetching = update + 1
         if self.updates is not None and update + 1 >= self.updates:
             self.prefetch.discard()
             return
@@ -368,6 +375,9 @@ class RolloutDataModule(L.LightningDataModule):
         prepared = await (wait_for_prepared(future) if future is not None else self.environment_setup.open(task))
         waited = time.perf_counter() - start
         self.environment_log.append(EnvironmentRecord(update, group_id, index, future is not None, ready, waited))
+        self._unopened[update] -= 1
+        if self._unopened[update] == 0:  # the update's set-up is done: the set-up threads turn to update k+1's
+            self._prefetch_after(update)
         return prepared
 
     def environment_seconds(self, update: int) -> float:
@@ -391,6 +401,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
+        self._unopened[update] = sum(len(indices) for _, indices in tasks.values())
 
         async def group(group_id: str, task: RolloutTask, indices: list[int]) -> list[AgentTrajectory]:
             members = await asyncio.gather(*(self._attempt(update, group_id, task, i, gate, emit) for i in indices))
