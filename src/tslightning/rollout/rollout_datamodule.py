@@ -348,10 +348,12 @@ class RolloutDataModule(L.LightningDataModule):
                 self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
             )
             self.trajectories[update] = trajectories
-            if self._prefetching != update + 1:  # an attempt failed to open: update k+1's set-up starts now
+            self._unopened.pop(update, None)  # a rank without attempts this update opened none
+            if self._prefetching != update + 1:  # no attempt here: update k+1's set-up starts now
                 self._prefetch_after(update)
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
+            self._unopened.pop(update, None)
             if self.prefetch is not None:
                 self.prefetch.discard()
             ready.put(_Failure(error))
@@ -377,6 +379,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.environment_log.append(EnvironmentRecord(update, group_id, index, future is not None, ready, waited))
         self._unopened[update] -= 1
         if self._unopened[update] == 0:  # the update's set-up is done: the set-up threads turn to update k+1's
+            del self._unopened[update]
             self._prefetch_after(update)
         return prepared
 
