@@ -181,8 +181,6 @@ class RolloutDataModule(L.LightningDataModule):
         """Opens and closes the attempts' environments on threads of their own, off the agent loop."""
         self._unopened: dict[int, int] = {}
         """Per update: its attempts that have not opened their environment yet."""
-        self._prefetching: int | None = None
-        """The update whose environments the prefetch was last asked to prepare."""
 
     def tasks_for_update(self, update: int) -> list[RolloutTask]:
         """The P tasks of update ``update``: a seeded permutation per pass over the task list, no arrival effects."""
@@ -348,9 +346,6 @@ class RolloutDataModule(L.LightningDataModule):
                 self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
             )
             self.trajectories[update] = trajectories
-            self._unopened.pop(update, None)  # a rank without attempts this update opened none
-            if self._prefetching != update + 1:  # no attempt here: update k+1's set-up starts now
-                self._prefetch_after(update)
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
             self._unopened.pop(update, None)
@@ -362,7 +357,6 @@ class RolloutDataModule(L.LightningDataModule):
         """Close what update ``update`` left prepared; prepare update ``update + 1``'s first environments."""
         if self.prefetch is None:
             return
-        self._prefetching = update + 1
         if self.updates is not None and update + 1 >= self.updates:
             self.prefetch.discard()
             return
@@ -404,7 +398,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     async def _rollout(self, update: int, tasks: dict, emit: Callable[[StreamItem], None]) -> list[AgentTrajectory]:
         gate = asyncio.Semaphore(self.max_concurrent_attempts)
-        self._unopened[update] = sum(len(indices) for _, indices in tasks.values())
+        attempts = sum(len(indices) for _, indices in tasks.values())
+        if attempts:
+            self._unopened[update] = attempts
+        else:  # this rank has no attempt this update: its set-up threads turn to update k+1's at once
+            self._prefetch_after(update)
 
         async def group(group_id: str, task: RolloutTask, indices: list[int]) -> list[AgentTrajectory]:
             members = await asyncio.gather(*(self._attempt(update, group_id, task, i, gate, emit) for i in indices))

@@ -258,8 +258,10 @@ def place_tree(source: str | os.PathLike[str], target: str | os.PathLike[str], b
         inside = os.path.relpath(directory, source)
         fd = _open_below(target, [*parts, *(p for p in inside.split(os.sep) if p != ".")])
         try:
-            for name in [*names, *files]:
-                _place_entry(os.path.join(directory, name), fd, name, name in names)
+            for name in names:
+                _place_entry(os.path.join(directory, name), fd, name, is_directory=True)
+            for name in files:
+                _place_entry(os.path.join(directory, name), fd, name, is_directory=False)
         finally:
             os.close(fd)
 
