@@ -77,7 +77,7 @@ def test_stop_token_ends_the_turn(engine, prompts):
 
 def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):
     """Requests go to vLLM's engine one by one as they are submitted and come back in the step that finishes them."""
-    check_each_request_is_ready_when_done(engine, prompts)
+    check_each_request_is_ready_when_done(engine, prompts, long_tokens=900)
 
 
 def test_publication_serves_the_new_weights_then_restores(engine, tiny):

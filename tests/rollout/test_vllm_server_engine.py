@@ -85,7 +85,7 @@ def test_in_flight_requests_finish_under_the_old_version(engine, tiny, prompts):
 
 
 def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):
-    check_each_request_is_ready_when_done(engine, prompts)
+    check_each_request_is_ready_when_done(engine, prompts, long_tokens=3000)
 
 
 def test_a_version_the_engine_did_not_publish_is_refused(engine, prompts, vllm_server):
