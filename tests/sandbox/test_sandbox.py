@@ -23,6 +23,7 @@ from tslightning.sandbox import (
     SandboxLimits,
     SandboxUnavailableError,
     SubprocessSandbox,
+    bubblewrap,
     make_sandbox,
 )
 from tslightning.sandbox.output import BoundedOutput
@@ -213,6 +214,34 @@ class TestAttemptLayout:
         result = sandbox.run("bash /tests/test.sh", mounts=("app", "tests", "logs"), cwd="/tests")
         assert result.ok, result
         assert (sandbox.attempt.logs / "reward.txt").read_text() == "1\n"
+
+    @pytest.mark.skipif(os.geteuid() != 0, reason="hand-over to another uid needs a root trainer")
+    @pytest.mark.parametrize("live", [False, True], ids=["per-command", "live"])
+    def test_the_ownership_walk_runs_again_only_after_the_trainer_wrote(self, attempt, monkeypatch, live):
+        """The agent's commands create files as the sandbox's uid: between them, walking ``/app`` to hand it over
+        finds nothing, so it is skipped until the trainer writes (and says so); then the agent may change what the
+        trainer wrote."""
+        walks = []
+        real = bubblewrap.chown_tree
+        monkeypatch.setattr(bubblewrap, "chown_tree", lambda root, uid, gid: (walks.append(root), real(root, uid, gid)))
+        sandbox = make_sandbox("bubblewrap", attempt=attempt, limits=QUICK, live=live)
+        try:
+            assert sandbox.run("mkdir -p made && echo 1 > made/file").ok
+            once = [attempt.app, attempt.oracle] if live else [attempt.app]  # a live environment shows both
+            assert walks == once
+            assert sandbox.run("echo 2 >> made/file && ls -A").output == "made\n"
+            assert walks == once
+            (attempt.app / "given.txt").write_text("from the trainer\n")
+            attempt.wrote_from_host()
+            changed = sandbox.run("echo by the agent >> given.txt && cat given.txt")
+            assert changed.ok and changed.output == "from the trainer\nby the agent\n", changed
+            assert walks == once * 2
+            assert sandbox.run("true").ok and walks == once * 2
+            if not live:  # other mounts are another hand-over, and so is going back
+                assert sandbox.run("ls /oracle", mounts=("app", "oracle")).ok and sandbox.run("true").ok
+                assert walks == [*once * 2, attempt.app, attempt.oracle, attempt.app]
+        finally:
+            sandbox.close()
 
     def test_a_new_attempt_starts_from_the_task_environment(self, tmp_path):
         (tmp_path / "data.csv").write_text("a,b\n")

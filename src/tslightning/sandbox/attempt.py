@@ -57,6 +57,8 @@ class AttemptDirectory:
         if environment is not None and not Path(environment).is_dir():
             raise FileNotFoundError(f"task environment directory {str(environment)!r} does not exist")
         self.hidden: tuple[Path, ...] = tuple(Path(path) for path in hidden)
+        self.host_writes = 0
+        """How many times the trainer wrote into the attempt's directories (see :meth:`wrote_from_host`)."""
         parent = parent if parent is not None else attempt_parent()
         self._root: Path | None = Path(tempfile.mkdtemp(prefix="tsl-attempt-", dir=parent))
         try:
@@ -84,7 +86,9 @@ class AttemptDirectory:
         return self._root is None
 
     def host_path(self, mount: Mount) -> Path:
-        """The host directory shown at ``MOUNT_POINTS[mount]`` inside the sandbox."""
+        """The host directory shown at ``MOUNT_POINTS[mount]`` inside the sandbox. Code writing there between
+        commands calls :meth:`wrote_from_host` (else a root trainer's sandbox may not hand the new files to its
+        uid, and the agent cannot change them)."""
         if mount not in _HOST_SUBDIRS:
             raise ValueError(f"unknown mount {mount!r}; choose from {sorted(_HOST_SUBDIRS)}")
         return self.root / _HOST_SUBDIRS[mount]
@@ -105,6 +109,13 @@ class AttemptDirectory:
     @property
     def oracle(self) -> Path:
         return self.host_path("oracle")
+
+    def wrote_from_host(self) -> None:
+        """Count a write the trainer made into the attempt's directories after creating them (a step's files, the
+        tests, the reference solution): what it wrote is the trainer's until a sandbox hands the directories to its
+        uid again, and sandboxes skip that walk while this count is unchanged (the agent's own commands create
+        files as that uid already)."""
+        self.host_writes += 1
 
     def close(self) -> None:
         """Remove the attempt's directory and everything in it, whatever the commands left there (unwritable or

@@ -41,7 +41,6 @@ from tslightning.sandbox.bubblewrap import (
     RUN_DIR,
     BubblewrapSandbox,
     _Descriptors,
-    _hand_over,
     _unlock_mount_points,
 )
 from tslightning.sandbox.errors import SandboxError
@@ -190,8 +189,7 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             self._ensure_live(limits or self.limits)
 
     def _ensure_live(self, limits: SandboxLimits) -> None:
-        if self._host_uid is not None:
-            _hand_over(self.attempt, LIVE_MOUNTS, self._host_uid, self.kept_owners())
+        self._hand_over_mounts(LIVE_MOUNTS, self.kept_owners())
         _unlock_mount_points(self.attempt, LIVE_MOUNTS)
         if not self.live:
             self._start(limits)

@@ -54,6 +54,7 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
             f"task {task.name!r} runs in an image-lite environment, which needs sandbox.backend='bubblewrap'"
         )
     image_app = image.rootfs / APP.lstrip("/")
+    attempt.wrote_from_host()
     if image_app.is_dir():
         copy_tree(image_app, attempt.app)
     writable = {}

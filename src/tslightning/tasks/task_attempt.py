@@ -143,7 +143,10 @@ class TerminalTaskAttempt:
         relative = posixpath.relpath(posixpath.normpath(target), APP)
         if relative.startswith(".."):
             raise ValueError(f"cannot place files at {target}: this environment shows only {APP}")
-        place_tree(source, self.attempt.app, relative)  # /app is the agent's: never write through its links
+        try:
+            place_tree(source, self.attempt.app, relative)  # /app is the agent's: never write through its links
+        finally:
+            self.attempt.wrote_from_host()  # even a failed copy may have placed some files
 
     def verify(self, tests: Path | None = None, settings: VerifierSettings | None = None) -> float:
         """Run the task's verifier (or ``tests`` with ``settings``, a step's) and return the reward (0 with a

@@ -257,6 +257,7 @@ class TerminalTask:
 
     def seed_app(self, attempt: AttemptDirectory) -> None:
         """Copy :meth:`app_files` into ``attempt``'s ``app/`` (the host's system standing in for the image)."""
+        attempt.wrote_from_host()
         for source, relative in self.app_files():
             target = attempt.app / relative
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -108,8 +108,11 @@ def run_verifier(
     """
     attempt = sandbox.attempt
     settings = settings or task.verifier
-    _fresh_copy(tests or task.tests_dir, attempt.tests)
-    _fresh_copy(None, attempt.logs)  # only this run's reward files count
+    try:
+        _fresh_copy(tests or task.tests_dir, attempt.tests)
+        _fresh_copy(None, attempt.logs)  # only this run's reward files count
+    finally:
+        attempt.wrote_from_host()
     result = sandbox.run(
         VERIFIER_COMMAND,
         limits=task.sandbox_limits(settings.timeout_sec),
@@ -134,7 +137,10 @@ def run_reference_solution(
     """
     if solution_dir is None and task.solution_script is None:
         raise FileNotFoundError(f"task {task.name!r} has no solution/solve.sh")
-    _refill(solution_dir or task.solution_dir, sandbox.attempt.oracle)
+    try:
+        _refill(solution_dir or task.solution_dir, sandbox.attempt.oracle)
+    finally:
+        sandbox.attempt.wrote_from_host()
     timeout = timeout_s or (task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S)
     return sandbox.run(
         ORACLE_COMMAND,
