@@ -14,6 +14,7 @@ from tslightning.loop.settings import InvalidSettingsError
 from tslightning.models.tiny_model import TinyModelConfig, save_tiny_model
 from tslightning.rollout.vllm_server_check import (
     Expected,
+    _config_problems,
     reachability_problems,
     server_command,
     server_problems,
@@ -90,3 +91,21 @@ def test_a_cpu_server_prefills_prompts_whole_and_a_gpu_server_in_chunks():
     assert "--no-enable-chunked-prefill" not in gpu and "--max-num-batched-tokens" not in gpu
     mine, _ = server_command("tiny", 8000, cpu=True, extra=["--max-num-batched-tokens", "16384"])
     assert mine[-2:] == ["--max-num-batched-tokens", "16384"]  # last: the user's flag wins
+
+
+def test_a_cpu_server_with_chunked_prefill_is_refused(vllm_server):
+    """What the fixture server reports, with chunked prefill turned on as vLLM's default would have it."""
+    import requests
+
+    info = requests.get(f"{vllm_server.url}/server_info", params={"config_format": "json"}, timeout=30).json()
+    config = info["vllm_config"]
+    assert config["device_config"]["device"] == "cpu" and not config["scheduler_config"]["enable_chunked_prefill"]
+    wanted = Expected(backend="tslightning_gloo", dtype="float32", context_tokens=4096, probe_ids=(1,))
+    assert _config_problems(vllm_server.url, config, wanted) == []
+    config["scheduler_config"]["enable_chunked_prefill"] = True
+    assert _config_problems(vllm_server.url, config, wanted) == [
+        f"rollout.server_urls: {vllm_server.url} runs on CPU with chunked prefill, where vLLM 0.32 crashes when it "
+        "splits a seeded prompt over steps: start it with --no-enable-chunked-prefill --max-num-batched-tokens 4096"
+    ]
+    config["device_config"]["device"] = "cuda"
+    assert _config_problems(vllm_server.url, config, wanted) == []

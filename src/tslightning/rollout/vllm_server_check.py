@@ -207,6 +207,13 @@ def _config_problems(url: str, config: dict[str, Any], expected: Expected) -> li
             f"trajectory needs {expected.context_tokens}: start it with --max-model-len "
             f"{expected.context_tokens} (or lower rollout.max_context_tokens)"
         )
+    scheduler = config.get("scheduler_config") or {}
+    if (config.get("device_config") or {}).get("device") == "cpu" and scheduler.get("enable_chunked_prefill"):
+        flags = " ".join(prefill_flags(True, int(model.get("max_model_len") or 0), CPU_SERVER_STEP_TOKENS))
+        problems.append(
+            f"rollout.server_urls: {url} runs on CPU with chunked prefill, where vLLM 0.32 crashes when it splits a "
+            f"seeded prompt over steps: start it with {flags}"
+        )
     dtype = str(model.get("dtype", "")).removeprefix("torch.")
     if dtype != expected.dtype:
         problems.append(
