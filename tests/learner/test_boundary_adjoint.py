@@ -34,7 +34,6 @@ from tslightning.learner.boundary_adjoint import (
     TurnBoundaryBackward,
     check_full_attention,
     forward_segment,
-    segment_logprobs,
 )
 from tslightning.measure.learner_flops import (
     BoundaryPass,
@@ -137,16 +136,19 @@ def test_opd_turn_boundaries_equal_recompute_float64(make_policy, teacher64, voc
 
 
 def test_continuation_from_boundary_states_reproduces_full_forward(make_policy, vocab_size):
-    """RoPE positions continue after the boundary: logits of [c, T) from cached K/V equal the full forward's."""
+    """RoPE positions continue after the boundary: log-probs of [c, T) from cached K/V equal the full forward's."""
     policy = make_policy()
     ids = torch.randint(0, vocab_size, (23,), generator=torch.Generator().manual_seed(0))
-    full, states = forward_segment(policy, ids, 0, [], with_logits=True)
-    _, prefix = forward_segment(policy, ids[:9], 0, [], with_logits=False)
-    tail, joined = forward_segment(policy, ids, 9, prefix.leaves(9), with_logits=True)
+    mask = torch.ones(23, dtype=torch.bool)
+    mask[:10] = False
+    full, states = forward_segment(policy, ids, 0, [], mask)
+    _, prefix = forward_segment(policy, ids[:9], 0, [])
+    tail, joined = forward_segment(policy, ids, 9, prefix.leaves(9), mask)
     assert states.length == joined.length == 23
-    assert float((tail - full[9:]).abs().max().detach()) <= 1e-12
+    assert tail.shape == (13,) and float((tail - full).abs().max().detach()) <= 1e-12
     default_positions = policy(input_ids=ids[None, 9:], past_key_values=BoundaryStates(prefix.leaves(9)).cache())
-    assert float((default_positions.logits[0] - full[9:]).abs().max().detach()) <= 1e-12  # default positions agree
+    logp = torch.log_softmax(default_positions.logits[0, :-1], -1).gather(-1, ids[10:, None])[:, 0]
+    assert float((logp - full).abs().max().detach()) <= 1e-12  # default positions agree
 
 
 def test_uniform_group_and_several_groups_long_prompts(make_policy, vocab_size):
@@ -357,7 +359,7 @@ def test_scored_logprobs_agree_with_segment_path(make_policy, vocab_size):
     ids = torch.randint(0, vocab_size, (30,), generator=torch.Generator().manual_seed(3))
     mask = torch.zeros(30, dtype=torch.bool)
     mask[12:20] = True
-    _, prefix = forward_segment(policy, ids[:11], 0, [], with_logits=False)
-    logits, _ = forward_segment(policy, ids, 11, prefix.leaves(11), with_logits=True)
+    _, prefix = forward_segment(policy, ids[:11], 0, [])
+    logp, _ = forward_segment(policy, ids, 11, prefix.leaves(11), mask, chunk_tokens=3)
     expected = scored_logprobs(policy, ids, mask)
-    assert float((segment_logprobs(logits, ids, mask, 11) - expected).abs().max().detach()) <= 1e-12
+    assert float((logp - expected).abs().max().detach()) <= 1e-12

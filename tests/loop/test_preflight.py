@@ -120,6 +120,10 @@ BAD_INPUTS = {
     ),
     "resume-missing": (["--resume", "{out}/checkpoints/update-7"], "holds no state.pt"),
     "resume-no-checkpoint": (["--resume", "{out}/csv"], "holds no state.pt"),
+    "logprob-chunk-zero": (
+        ["--learner.logprob_chunk_tokens", "0"],
+        "learner.logprob_chunk_tokens must be an int >= 1 (rows of logits per head chunk, e.g. 1024); got 0",
+    ),
     "float64-fsdp": (
         ["--model.precision", "64-true", "--learner.strategy", "fsdp", "--learner.devices", "2"],
         "model.precision 64-true needs learner.strategy ddp or auto: fsdp (Fabric's ModelParallelStrategy) has no",

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
+
 StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3"]
 
 
@@ -70,6 +72,11 @@ class LearnerSettings:
     background thread, at most this many pending, while the learner thread runs the next pass; each pending fold
     keeps one gradient-sized buffer alive on the device. 0: fold on the learner thread. Not with
     ``shard_statistics``, which folds at each tick's exchange."""
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_ROWS
+    """Most rows of logits the output head holds at a time when a pass scores tokens (the learner's passes and the
+    in-process OPD teacher's): no pass builds T×V logits, only the scored rows reach the head, in chunks of this many,
+    each recomputed in the backward. 1024 keeps a chunk's transient logits and log-softmax near 2.3 GiB at a 152k
+    vocabulary and the head's matmul big enough for full GPU speed; lower it if that transient does not fit."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -89,6 +96,11 @@ class LearnerSettings:
             problems.append(
                 f"learner.fold_queue_depth must be an int >= 0 (0: fold on the learner thread); got "
                 f"{self.fold_queue_depth}"
+            )
+        if isinstance(self.logprob_chunk_tokens, bool) or self.logprob_chunk_tokens < 1:
+            problems.append(
+                f"learner.logprob_chunk_tokens must be an int >= 1 (rows of logits per head chunk, e.g. 1024); got "
+                f"{self.logprob_chunk_tokens}"
             )
         if self.world_size > 1 and schedule == "fully_async":
             problems.append("schedule fully_async runs on one learner rank; set learner.devices=1 and num_nodes=1")

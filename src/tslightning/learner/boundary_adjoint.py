@@ -40,6 +40,8 @@ from transformers import DynamicCache
 from tslightning.core.group_accumulator import GroupReduction
 from tslightning.core.sources import SourceError, TrajectorySource, TurnSource
 from tslightning.measure.learner_flops import BoundaryPass, BoundaryWork
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
+from tslightning.objectives.scored_logprobs import ScoredRows, policy_logprobs
 
 
 class ContextBackward(StrEnum):
@@ -84,37 +86,33 @@ class BoundaryStates:
 
 
 def forward_segment(
-    policy: torch.nn.Module, token_ids: torch.Tensor, start: int, boundary: Sequence[torch.Tensor], with_logits: bool
+    policy: torch.nn.Module,
+    token_ids: torch.Tensor,
+    start: int,
+    boundary: Sequence[torch.Tensor],
+    scored_mask: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_ROWS,
 ) -> tuple[torch.Tensor | None, BoundaryStates]:
     """Forward tokens ``[start, T)`` of ``token_ids`` after the ``start`` tokens whose K/V are ``boundary``.
 
     LoRA adapters (peft) live inside the decoder's linear layers, so ``policy.get_decoder()`` runs them too.
 
     Returns:
-        ``((T − start, V)`` logits, or ``None`` when ``with_logits`` is False and only the decoder runs), and the
-        states of all T tokens (boundary first), attached to this pass's graph.
+        ``(|M|,)`` log π of the tokens ``scored_mask`` scores (every scored position ``> start``: the logit at
+        position t scores token t+1), through the chunked head (:mod:`tslightning.objectives.scored_logprobs`), or
+        ``None`` when ``scored_mask`` is None and only the decoder runs; and the states of all T tokens (boundary
+        first), attached to this pass's graph.
     """
     device = next(policy.parameters()).device
     ids = token_ids[start:].to(device=device, dtype=torch.long)[None]
     cache = BoundaryStates(boundary).cache()
     positions = torch.arange(start, start + ids.shape[1], device=device)[None]  # RoPE continues after the boundary
-    model = policy if with_logits else policy.get_decoder()
-    output = model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True)
-    return (output.logits[0] if with_logits else None), BoundaryStates.of_cache(cache)
-
-
-def segment_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, scored_mask: torch.Tensor, start: int
-) -> torch.Tensor:
-    """``(|M|,)`` log π of the scored tokens from a segment's logits over positions ``[start, T)``.
-
-    The logit at position t scores token t+1, so every scored position must be ``> start``.
-    """
-    rows = torch.nonzero(scored_mask[start + 1 :])[:, 0]  # on the mask's (host) device: no sync on the policy's
-    targets = token_ids[start + 1 :][rows].to(device=logits.device, dtype=torch.long)
-    picked = logits.index_select(0, rows.to(logits.device))
-    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))  # as scored_logprobs: upcast half precision
-    return torch.log_softmax(picked, dim=-1).gather(-1, targets[:, None])[:, 0]
+    inputs = {"input_ids": ids, "past_key_values": cache, "position_ids": positions, "use_cache": True}
+    if scored_mask is None:
+        policy.get_decoder()(**inputs)
+        return None, BoundaryStates.of_cache(cache)
+    (logp,), _ = policy_logprobs(policy, ScoredRows.of([token_ids], [scored_mask], start), chunk_tokens, **inputs)
+    return logp, BoundaryStates.of_cache(cache)
 
 
 def check_full_attention(policy: torch.nn.Module) -> None:
@@ -197,13 +195,19 @@ class SharedPromptBackward:
         parameters: The trainable parameters, in the order of
             :class:`~tslightning.core.parameter_layout.ParameterLayout`.
         dtype: dtype of the adjoint sums; default the states' dtype promoted to float32.
+        chunk_tokens: Most rows of logits the output head holds at a time.
     """
 
     def __init__(
-        self, policy: torch.nn.Module, parameters: Sequence[torch.nn.Parameter], dtype: torch.dtype | None = None
+        self,
+        policy: torch.nn.Module,
+        parameters: Sequence[torch.nn.Parameter],
+        dtype: torch.dtype | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         check_full_attention(policy)
         self.policy = policy
+        self.chunk_tokens = chunk_tokens
         self.dtype = dtype
         self._grad = _GradientSplitter(parameters)
         self._prefixes: dict[str, torch.Tensor] = {}  # group id → tokens before its boundary, from the first admit
@@ -243,9 +247,11 @@ class SharedPromptBackward:
         """The continuation part of ``weight``·∇ Σ_{t∈M_i} log π_θ(a_t|h_t) for an admitted trajectory."""
         prompt = self._open.get(source.group_id) or self._open_prompt(source.group_id)
         start = prompt.prefix.numel()
-        logits, _ = forward_segment(self.policy, source.token_ids, start, prompt.leaves, with_logits=True)
+        logp, _ = forward_segment(
+            self.policy, source.token_ids, start, prompt.leaves, source.scored_mask, self.chunk_tokens
+        )
         self.passes.append(BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start))
-        score = segment_logprobs(logits, source.token_ids, source.scored_mask, start).sum() * weight
+        score = logp.sum() * weight
         params, adjoints = self._grad([score], prompt.leaves)
         if prompt.num_sources == 0:
             prompt.shift = source.reward
@@ -291,7 +297,7 @@ class SharedPromptBackward:
         cut = prefix.numel()
         states = BoundaryStates([])
         if cut > 0:
-            _, states = forward_segment(self.policy, prefix, 0, [], with_logits=False)
+            _, states = forward_segment(self.policy, prefix, 0, [])
             self.passes.append(BoundaryPass(BoundaryWork.PREFIX_FORWARD, cut))
         leaves = states.leaves(cut)
         dtype = self.dtype or (torch.promote_types(leaves[0].dtype, torch.float32) if leaves else None)
@@ -340,13 +346,19 @@ class TurnBoundaryBackward:
         parameters: The trainable parameters, in the order of
             :class:`~tslightning.core.parameter_layout.ParameterLayout`.
         dtype: dtype of the summed replay gradient; default the parameters' dtype promoted to float32.
+        chunk_tokens: Most rows of logits the output head holds at a time.
     """
 
     def __init__(
-        self, policy: torch.nn.Module, parameters: Sequence[torch.nn.Parameter], dtype: torch.dtype | None = None
+        self,
+        policy: torch.nn.Module,
+        parameters: Sequence[torch.nn.Parameter],
+        dtype: torch.dtype | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         check_full_attention(policy)
         self.policy = policy
+        self.chunk_tokens = chunk_tokens
         self._grad = _GradientSplitter(parameters)
         self.dtype = dtype or torch.promote_types(self._grad.parameters[0].dtype, torch.float32)
         self._open: dict[tuple[str, int], _OpenTrajectory] = {}
@@ -391,9 +403,10 @@ class TurnBoundaryBackward:
         if previous is not None:  # after the previous history, or earlier if a scored token needs its last logit
             start = min(previous.token_ids.numel(), _first_scored(source.scored_mask) - 1)
         leaves = [] if previous is None else previous.states.leaves(start)
-        logits, states = forward_segment(self.policy, source.token_ids, start, leaves, with_logits=True)
+        logp, states = forward_segment(
+            self.policy, source.token_ids, start, leaves, source.scored_mask, self.chunk_tokens
+        )
         self.passes.append(BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start))
-        logp = segment_logprobs(logits, source.token_ids, source.scored_mask, start)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         # Keep the graph: later turns' adjoints are replayed through this turn's states.
         params, adjoint = self._grad([(advantage * logp).sum()], leaves, retain_graph=True)

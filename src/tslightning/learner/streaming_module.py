@@ -8,15 +8,13 @@ norm and takes exactly one AdamW step (Eq. 3). Under the ``sync`` schedule the s
 computes the whole batch at the barrier with one padded, batched objective — the batch-synchronous baseline.
 
 All gradients are taken at the fixed snapshot θ_k: nothing mutates parameters between :meth:`begin_batch` and the
-barrier. Context gradients are exact because every source recomputes its full causal context (prompt and earlier
-turns); learner cost per source is one forward and backward over all of ``token_ids``. With
-``context_backward="boundary"`` (thundersync) each context runs once instead and later sources' boundary adjoints
-are back-propagated through it when its group or trajectory closes (App. I,
-:mod:`tslightning.learner.boundary_adjoint`).
+barrier. Context gradients are exact because every source recomputes its full causal context (prompt and earlier turns);
+learner cost per source is one forward and backward over all of ``token_ids``. With ``context_backward="boundary"``
+(thundersync) each context runs once instead and later sources' boundary adjoints are back-propagated through it when
+its group or trajectory closes (App. I, :mod:`tslightning.learner.boundary_adjoint`).
 
 On several ranks with partitioned parameters (DeepSpeed ZeRO-3, FSDP2) every per-source pass gathers each layer in a
-collective, so learner work is queued and served in lock-step ticks across ranks
-(:mod:`tslightning.distributed.lockstep`).
+collective, so learner work is served in lock-step ticks across ranks (:mod:`tslightning.distributed.lockstep`).
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ from tslightning.learner.sync_direction import batch_objective, micro_batches, s
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
-from tslightning.objectives.scored_logprobs import scored_logprobs
+from tslightning.objectives.scored_logprobs import DEFAULT_CHUNK_ROWS, checked_chunk_tokens, scored_logprobs
 
 
 class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
@@ -101,6 +99,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`.
         fold_queue_depth: Fold sources into the statistics on a background thread, at most this many pending
             (:mod:`tslightning.core.folding_queue`); 0 folds on the learner thread.
+        logprob_chunk_tokens: Most rows of logits a pass's output head holds (no T×V logits: ``chunked_head``).
     """
 
     def __init__(
@@ -120,6 +119,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         statistics_device: str = "host",
         shard_statistics: bool = False,
         fold_queue_depth: int = 0,
+        logprob_chunk_tokens: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -138,6 +138,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.sync_micro_batch_size = sync_micro_batch_size
         self.max_policy_lag = max_policy_lag
+        self.logprob_chunk_tokens = chunk = checked_chunk_tokens(logprob_chunk_tokens)
         self.policy_version = 0
         self.num_optimizer_steps = 0
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
@@ -158,9 +159,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 f"{self.schedule.value!r} schedule is the recompute baseline (use context_backward='recompute')"
             )
         boundary = self.context_backward is ContextBackward.BOUNDARY
-        self.shared_prompts = SharedPromptBackward(policy, self.layout.parameters, dtype) if boundary else None
+        self.shared_prompts = SharedPromptBackward(policy, self.layout.parameters, dtype, chunk) if boundary else None
         """GRPO shared-prefix backward (``context_backward="boundary"``): prompt graphs of open groups."""
-        self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype) if boundary else None
+        self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype, chunk) if boundary else None
         """OPD turn-boundary backward (``context_backward="boundary"``): turn graphs of open trajectories."""
         self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
         self.spread: SpreadGroups | None = None
@@ -349,7 +350,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if self.shared_prompts is not None:  # the continuation's part; the prompt's follows at group close
             grads = self.shared_prompts.source_gradient(source, 1.0 / (plan.num_prompts * source.num_scored))
         else:
-            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask, self.logprob_chunk_tokens)
             score = logp.sum() / (plan.num_prompts * source.num_scored)
             grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
         if self.shards is not None:  # folded by every rank at this tick's exchange
@@ -368,7 +369,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if self.turn_boundaries is not None:  # the turn's own tokens; earlier turns' part follows at trajectory close
             self.turns.add(self.turn_boundaries.turn_gradient(source), source.num_scored)
             return
-        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask, self.logprob_chunk_tokens)
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
         self.turns.add(self.layout.with_zeros(grads), source.num_scored)
@@ -397,7 +398,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
-        objective = batch_objective(self.policy, self.objective, chunk, weights)
+        objective = batch_objective(self.policy, self.objective, chunk, weights, self.logprob_chunk_tokens)
         grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
         if self.shards is not None:
             self.shards.stage(Contribution(None), grads)

@@ -16,6 +16,7 @@ from tslightning.objectives.advantages import (
     group_mean,
     is_uniform,
 )
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
 from tslightning.objectives.scored_logprobs import batched_scored_logprobs
 
 
@@ -69,10 +70,16 @@ def micro_batches(
 
 
 def batch_objective(
-    policy: torch.nn.Module, objective: Objective, chunk: list[Source], weights: list[float]
+    policy: torch.nn.Module,
+    objective: Objective,
+    chunk: list[Source],
+    weights: list[float],
+    chunk_tokens: int = DEFAULT_CHUNK_ROWS,
 ) -> torch.Tensor:
-    """One padded micro-batch's objective: GRPO Σ_i weight_i S_i; OPD App. I.2's ratio form (gradient of Eq. 8)."""
-    logps = batched_scored_logprobs(policy, [s.token_ids for s in chunk], [s.scored_mask for s in chunk])
+    """One padded micro-batch's objective: GRPO Σ_i weight_i S_i; OPD App. I.2's ratio form (gradient of Eq. 8).
+    The output head holds at most ``chunk_tokens`` rows of logits at a time."""
+    ids, masks = [s.token_ids for s in chunk], [s.scored_mask for s in chunk]
+    logps = batched_scored_logprobs(policy, ids, masks, chunk_tokens=chunk_tokens)
     if objective is Objective.GRPO:
         return sum(w * lp.sum() for w, lp in zip(weights, logps, strict=True))
     # ratio = exp(logp − logp.detach()) equals 1 and has the gradient of Eq. 8.

@@ -207,6 +207,7 @@ def fit(
             statistics_device=learner.statistics_device,
             shard_statistics=learner.shard_statistics,
             fold_queue_depth=learner.fold_queue_depth,
+            logprob_chunk_tokens=learner.logprob_chunk_tokens,
         )
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
@@ -257,7 +258,18 @@ def _start_rollout(
         )
         teacher = None
         if objective == "opd":
-            teacher = start_teacher(fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement)
+            teacher = start_teacher(
+                fabric,
+                model,
+                rollout,
+                warm_start,
+                tasks,
+                seed,
+                out,
+                bool(resume),
+                placement,
+                chunk_tokens=learner.logprob_chunk_tokens,
+            )
             started.callback(teacher.close)
     datamodule = rollout_datamodule(
         rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates

@@ -43,6 +43,7 @@ def learner_shape(
         shard_statistics=learner.shard_statistics,
         spread_groups=learner.shard_statistics,  # fit deals GRPO groups over the ranks then (RolloutDataModule)
         fold_queue_depth=learner.fold_queue_depth,
+        logprob_chunk_tokens=learner.logprob_chunk_tokens,
         lora_rank=model.lora.r if model.lora is not None else None,
         lora_targets=tuple(model.lora.target_modules) if model.lora is not None else (),
     )

@@ -22,6 +22,7 @@ from tslightning.loop.rollout_servers import replica_server_args, start_vllm_ser
 from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -257,7 +258,16 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
 
 
 def start_teacher(
-    fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool, placement
+    fabric,
+    model: ModelSettings,
+    rollout,
+    warm_start,
+    tasks,
+    seed: int,
+    out: Path,
+    resume: bool,
+    placement,
+    chunk_tokens: int = DEFAULT_CHUNK_ROWS,
 ) -> TeacherScorer | TeacherServer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
@@ -265,7 +275,8 @@ def start_teacher(
     rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
     (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
     ``out/policy-0``; with ``rollout.ray.teacher`` it is that checkpoint served by a vLLM server fit launches on Ray
-    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`)."""
+    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`). An in-process teacher's head holds at most
+    ``chunk_tokens`` rows of logits at a time."""
     if rollout.teacher_url is not None:
         return _teacher_server(rollout, out / "policy-0", rollout.teacher_url)
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
@@ -283,7 +294,7 @@ def start_teacher(
             return _launched_teacher(rollout, teacher_dir, out / "policy-0", serving_dtype(model.precision))
     with agreed_by_ranks("set-up: loading the OPD teacher"):
         teacher, _ = load_tiny_model(teacher_dir)
-        return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
+        return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus), chunk_tokens=chunk_tokens)
 
 
 def _teacher_server(rollout: RolloutSettings, policy_dir: Path, url: str, launcher=None) -> TeacherServer:

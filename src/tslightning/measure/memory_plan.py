@@ -17,9 +17,12 @@ on a laptop. Per learner rank:
   dim-0 chunk of every trainable parameter, padded — of G1/G2 of the groups open on *all* ranks and of the batch
   accumulator: (2k·world + 1) shards with whole groups per rank (k per rank), (2k + 1) shards with groups spread
   over the ranks by trajectory (``fit`` spreads them under ``shard_statistics``; k counts groups open anywhere);
-* **activations** — what autograd saves for the backward of one pass over the longest sequence, counted by tracing
-  the forward with saved-tensor hooks (the implementation's real attention and MLP, not a formula), without and with
-  activation checkpointing (then the decoder layers' inputs, plus one layer recomputed at a time).
+* **activations** — what autograd saves for the backward of one pass over the longest sequence, every token scored,
+  counted by tracing the learner's real scoring pass (:func:`~tslightning.objectives.scored_logprobs.scored_logprobs`)
+  with saved-tensor hooks (the implementation's real attention and MLP, not a formula), without and with activation
+  checkpointing (then the decoder layers' inputs, plus one layer recomputed at a time). The output head keeps the
+  scored hidden rows, never T×V logits (:mod:`tslightning.objectives.chunked_head`); its backward recomputes one
+  chunk of ``logprob_chunk_tokens`` rows of logits at a time, transiently, as a checkpointed layer is.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from typing import Any
 from unittest import mock
 
 import torch
+
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
+from tslightning.objectives.scored_logprobs import scored_logprobs
 
 _SHARDS_WEIGHTS = ("fsdp", "deepspeed_stage_3")
 _SHARDS_OPTIMIZER = ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
@@ -61,6 +67,7 @@ class LearnerShape:
         spread_groups: With ``shard_statistics``, each GRPO group's trajectories are dealt over the ranks, so the
             ranks share their open groups (:mod:`tslightning.learner.spread_groups`).
         fold_queue_depth: Source gradients waiting for the background fold (``learner.fold_queue_depth``).
+        logprob_chunk_tokens: Rows of logits the output head holds at a time (``learner.logprob_chunk_tokens``).
         lora_rank: LoRA's r, or ``None`` for full fine-tuning.
         lora_targets: Module names that get adapters.
     """
@@ -75,6 +82,7 @@ class LearnerShape:
     shard_statistics: bool = False
     spread_groups: bool = False
     fold_queue_depth: int = 0
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_ROWS
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
 
@@ -172,8 +180,10 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
         statistics = (2 * open_anywhere + 1) * _shard_numel(model, shape, shards)
     sharded = shape.world_size if shape.strategy in _SHARDS_WEIGHTS else 1
     optimizer_shards = shape.world_size if shape.strategy in _SHARDS_OPTIMIZER else 1
-    activations = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype) if activations else 0
-    checkpointed = saved_activation_bytes(model, shape.sequence_tokens, compute_dtype, True) if activations else 0
+    trace = (model, shape.sequence_tokens, compute_dtype)
+    chunk = shape.logprob_chunk_tokens
+    activations = saved_activation_bytes(*trace, chunk_tokens=chunk) if activations else 0
+    checkpointed = saved_activation_bytes(*trace, True, chunk_tokens=chunk) if activations else 0
     layers = max(1, getattr(config, "num_hidden_layers", 1))
     return MemoryPlan(
         weights=math.ceil(weights / sharded),
@@ -190,10 +200,16 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
 
 
 def saved_activation_bytes(
-    model: torch.nn.Module, tokens: int, compute_dtype: torch.dtype | None = None, checkpointing: bool = False
+    model: torch.nn.Module,
+    tokens: int,
+    compute_dtype: torch.dtype | None = None,
+    checkpointing: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_ROWS,
 ) -> int:
-    """Bytes autograd saves for the backward of one forward over ``tokens`` tokens (one sequence), the log-softmax of
-    the logits included; parameters (saved by reference) are not counted, and a tensor saved twice counts once.
+    """Bytes autograd saves for the backward of one scoring pass over ``tokens`` tokens (one sequence, every token
+    after the first scored), through the learner's own :func:`~tslightning.objectives.scored_logprobs.scored_logprobs`
+    and its chunked head, and the log-probs it returns; parameters (saved by reference) are not counted, and a tensor
+    saved twice counts once.
 
     ``model`` may hold real or fake tensors; ``compute_dtype`` below the weights' dtype traces under autocast, as
     ``bf16-mixed`` runs. ``checkpointing`` turns on the model's activation checkpointing for the trace.
@@ -218,11 +234,11 @@ def saved_activation_bytes(
         if compute_dtype is not None and compute_dtype.itemsize < weights_dtype.itemsize
         else nullcontext()
     )
-    ids = torch.zeros(1, tokens, dtype=torch.long)
+    ids = torch.zeros(tokens, dtype=torch.long)
+    scored = torch.arange(tokens) > 0
     with _checkpointing(model, checkpointing, held=pack), _one_unpacked_sequence(), autocast:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            logits = model(input_ids=ids, use_cache=False).logits
-            torch.log_softmax(logits.float(), dim=-1)
+            pack(scored_logprobs(model, ids, scored, chunk_tokens))  # the log-probs live until the backward too
     return total
 
 

@@ -41,21 +41,26 @@ its returned logits instead."""
 class ChunkedHeadLogprobs(torch.autograd.Function):
     """``(N,)`` ``log_softmax(F.linear(hidden, weight, bias))[row, target]`` computed ``chunk_rows`` rows at a time.
 
-    Half-precision logits (bf16 autocast, or a bf16 model) are upcast to float32 before the log-softmax, float32
-    and float64 stay as they are. The backward re-enters the forward's autocast state (like ``torch.amp.custom_bwd``)
-    so the recomputed chunks cast exactly as the forward did.
+    Under autocast the matmul runs in autocast's dtype, as ``F.linear`` would: the inputs are cast explicitly (the
+    weight once per call, not cached for the rest of the pass as autocast's cache would keep it), then the chunk's
+    half-precision logits are upcast to float32 for the log-softmax; float32 and float64 stay as they are. The
+    backward re-creates those casts, so a recomputed chunk is bit for bit the forward's. Transient memory: one chunk's
+    logits, log-softmax and their gradients (~16 bytes × V per row), the cast weight and one chunk's weight gradient
+    in the compute dtype, beside the weight gradient it returns.
     """
 
     @staticmethod
     def forward(ctx, hidden, targets, chunk_rows, weight, bias):  # noqa: ANN001, ANN205 (autograd's signature)
         ctx.save_for_backward(hidden, targets, weight, bias)
         ctx.chunk_rows = chunk_rows
-        ctx.autocast = _autocast_state(hidden.device.type)
-        chunks = [
-            _chunk_logprobs(hidden[i : i + chunk_rows], targets[i : i + chunk_rows], weight, bias)
-            for i in range(0, hidden.shape[0], chunk_rows)
-        ]
-        return torch.cat(chunks) if chunks else _empty_logprobs(hidden, weight, bias)
+        ctx.dtype = _autocast_dtype(hidden.device.type)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
+            chunks = [
+                _chunk_logprobs(_cast(hidden[i : i + chunk_rows], ctx.dtype), targets[i : i + chunk_rows], w, b)
+                for i in range(0, hidden.shape[0], chunk_rows)
+            ]
+            return torch.cat(chunks) if chunks else _chunk_logprobs(_cast(hidden, ctx.dtype), targets, w, b)
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: ANN001, ANN205
@@ -63,29 +68,26 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         need_hidden, _, _, need_weight, need_bias = ctx.needs_input_grad
         if not (need_hidden or need_weight or need_bias):
             return None, None, None, None, None
-        leaves = {
-            "weight": weight.detach().requires_grad_(need_weight),
-            "bias": None if bias is None else bias.detach().requires_grad_(need_bias),
+        w = _cast(weight.detach(), ctx.dtype).requires_grad_(need_weight)
+        b = None if bias is None else _cast(bias.detach(), ctx.dtype).requires_grad_(need_bias)
+        sums = {  # leaf in the compute dtype → its gradient summed over chunks, in the parameter's dtype
+            leaf: torch.zeros_like(original)
+            for leaf, original in ((w, weight), (b, bias))
+            if leaf is not None and leaf.requires_grad
         }
-        wanted = [t for t in leaves.values() if t is not None and t.requires_grad]
-        sums = [torch.zeros_like(t) for t in wanted]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         rows = ctx.chunk_rows
-        device_type, enabled, dtype = ctx.autocast
-        # No autocast cache: a cached cast of the fresh weight leaf would outlive this backward.
-        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
+        with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, hidden.shape[0], rows):
                 part = hidden[i : i + rows].detach().requires_grad_(need_hidden)
-                logp = _chunk_logprobs(part, targets[i : i + rows], leaves["weight"], leaves["bias"])
-                grads = torch.autograd.grad(logp, ([part] if need_hidden else []) + wanted, grad_output[i : i + rows])
+                logp = _chunk_logprobs(_cast(part, ctx.dtype), targets[i : i + rows], w, b)
+                inputs = ([part] if need_hidden else []) + list(sums)
+                grads = list(torch.autograd.grad(logp, inputs, grad_output[i : i + rows]))
                 if need_hidden:
-                    grad_hidden[i : i + rows] = grads[0]
-                for total, grad in zip(sums, grads[int(need_hidden) :], strict=True):
-                    total.add_(grad)
-        grads = iter(sums)
-        grad_weight = next(grads) if leaves["weight"].requires_grad else None
-        grad_bias = next(grads) if leaves["bias"] is not None and leaves["bias"].requires_grad else None
-        return grad_hidden, None, None, grad_weight, grad_bias
+                    grad_hidden[i : i + rows] = grads.pop(0)
+                for total, grad in zip(sums.values(), grads, strict=True):
+                    total.add_(grad)  # a half-precision chunk gradient is upcast exactly, as autocast's cast would
+        return grad_hidden, None, None, sums.get(w), sums.get(b)
 
 
 def head_logprobs(
@@ -159,10 +161,13 @@ def _chunk_logprobs(
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
-def _empty_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    dtype = F.linear(hidden[:0], weight, bias).dtype
-    return hidden.new_zeros(0, dtype=torch.promote_types(dtype, torch.float32))
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs a matmul in on ``device_type`` now, or ``None`` when autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
-def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``tensor`` as autocast hands it to a lower-precision op: floating tensors but float64 cast to ``dtype``."""
+    if tensor is None or dtype is None or not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype)

@@ -21,6 +21,8 @@ import torch
 
 from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS, chunkable_head, returned_unchanged, scoring_head
 
+__all__ = ["DEFAULT_CHUNK_ROWS", "ScoredRows", "batched_scored_logprobs", "checked_chunk_tokens", "scored_logprobs"]
+
 
 @dataclass(frozen=True)
 class ScoredRows:
@@ -95,6 +97,13 @@ def batched_scored_logprobs(
     rows = ScoredRows.of(sequences, masks)
     logps, _ = policy_logprobs(model, rows, chunk_tokens, input_ids=ids, attention_mask=attention, use_cache=False)
     return list(logps)
+
+
+def checked_chunk_tokens(value: int, name: str = "logprob_chunk_tokens") -> int:
+    """``value`` if it is a valid chunk size (an int >= 1), else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (rows of logits per head chunk, e.g. 1024); got {value!r}")
+    return value
 
 
 def policy_logprobs(

@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 import torch
 
+from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
 from tslightning.objectives.scored_logprobs import batched_scored_logprobs
 from tslightning.rollout.core_placement import check_cores, place_this_thread
 
@@ -29,6 +30,8 @@ class TeacherScorer:
         cpus: Cores the scoring thread runs on (``os.sched_setaffinity`` of that thread only), e.g. the rollout
             pool's, as a separate teacher pool would be; ``None``: wherever the creating process runs (then the
             teacher competes with the learner for its cores).
+        chunk_tokens: Most rows of logits the teacher's head holds at a time (only scored rows reach it: a scored
+            batch never builds T×V logits).
 
     Raises:
         ValueError: if ``cpus`` is empty or names a core this machine does not have.
@@ -40,11 +43,13 @@ class TeacherScorer:
         max_batch: int = 8,
         pad_token_id: int = 0,
         cpus: Sequence[int] | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         check_cores("TeacherScorer", cpus)
         self.teacher = teacher.eval().requires_grad_(False)
         self.max_batch = max_batch
         self.pad_token_id = pad_token_id
+        self.chunk_tokens = chunk_tokens
         self.cpus = None if cpus is None else tuple(cpus)
         self._requests: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="teacher-scorer", daemon=True)
@@ -99,7 +104,11 @@ class TeacherScorer:
     def _score_batch(self, batch: list) -> None:
         try:
             scores = batched_scored_logprobs(
-                self.teacher, [ids for ids, _, _ in batch], [mask for _, mask, _ in batch], self.pad_token_id
+                self.teacher,
+                [ids for ids, _, _ in batch],
+                [mask for _, mask, _ in batch],
+                self.pad_token_id,
+                self.chunk_tokens,
             )
         except Exception as error:  # one bad turn must not strand the others: retry them one by one
             if len(batch) == 1:
