@@ -22,9 +22,11 @@ PEAK = 1e12  # FLOP/s per device (a CPU has no entry in Lightning's table); abov
 
 
 def expected_flops(module: StreamingPolicyModule, batch: ReplayBatch) -> int:
-    """F_k^train from the batch itself: every trajectory's full token count, full fine-tuning."""
+    """F_k^train from the batch itself: every trajectory's full token count (its scored rows through the LM head),
+    full fine-tuning."""
     shape = DecoderShape.from_config(module.policy.config)
-    return sum(learner_flops(shape, s.token_ids.numel()) for s in batch.items if isinstance(s, TrajectorySource))
+    sources = [s for s in batch.items if isinstance(s, TrajectorySource)]
+    return sum(learner_flops(shape, s.token_ids.numel(), scored_tokens=s.num_scored) for s in sources)
 
 
 def batch_tokens(batch: ReplayBatch) -> int:

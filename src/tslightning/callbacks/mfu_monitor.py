@@ -9,7 +9,8 @@ rollout waiting and idle gaps stay in it.
 F_k^train comes the way Lightning's ``ThroughputMonitor`` takes it: a ``flops_fn(module)``, else the module's
 ``flops_per_batch`` attribute (e.g. from :func:`~lightning.fabric.utilities.throughput.measure_flops`), else — the
 streaming module's default — counted by :mod:`tslightning.measure.learner_flops` from the architecture (the policy's
-``config``) and each served source's token count in ``service_log``. Each source is credited its own tokens: the
+``config``) and each served source's token and scored-token counts in ``service_log`` (the LM head runs over the
+scored rows only, :mod:`tslightning.objectives.scored_logprobs`). Each source is credited its own tokens: the
 padding of the ``sync`` schedule's micro-batches, which App. B.1 would count as executed work, is left out, so every
 schedule is credited the same learner FLOPs. Without any of these the monitor warns once and logs step times only.
 
@@ -219,7 +220,7 @@ class MFUMonitor(UpdateCallback):
         records = getattr(module, "service_log", None)
         if records is not None and getattr(getattr(module, "policy", None), "config", None) is not None:
             shape, training = self._architecture_of(module)
-            return float(sum(learner_flops(shape, record.tokens, training) for record in records))
+            return float(sum(learner_flops(shape, record.tokens, training, record.scored_tokens) for record in records))
         self.warn_once(
             f"no FLOP count for {module_name(module)}: pass MFUMonitor(flops_fn=...) or give the module a "
             "`flops_per_batch` (as for Lightning's ThroughputMonitor); logging step times without MFU"

@@ -250,7 +250,9 @@ class SharedPromptBackward:
         logp, _ = forward_segment(
             self.policy, source.token_ids, start, prompt.leaves, source.scored_mask, self.chunk_tokens
         )
-        self.passes.append(BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start))
+        self.passes.append(
+            BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start, logp.numel())
+        )
         score = logp.sum() * weight
         params, adjoints = self._grad([score], prompt.leaves)
         if prompt.num_sources == 0:
@@ -406,7 +408,9 @@ class TurnBoundaryBackward:
         logp, states = forward_segment(
             self.policy, source.token_ids, start, leaves, source.scored_mask, self.chunk_tokens
         )
-        self.passes.append(BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start))
+        self.passes.append(
+            BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start, logp.numel())
+        )
         advantage = source.teacher_logprobs.to(logp) - logp.detach()
         # Keep the graph: later turns' adjoints are replayed through this turn's states.
         params, adjoint = self._grad([(advantage * logp).sum()], leaves, retain_graph=True)

@@ -12,13 +12,15 @@ Eq. 10's numerator F_k^train is the model FLOPs the learner needs for update k. 
   T tokens is the full (T × d_head)(d_head × T) product — not the causal half — since that is the shape the product
   has (App. B.1: "using their actual tensor shapes"), and the same count ``torch.utils.flop_counter`` (hence
   Lightning's :func:`~lightning.fabric.utilities.throughput.measure_flops`) gives for attention;
-* activation-checkpoint recomputation is not credited; norms, activations, softmax and embedding lookups are not
+* activation-checkpoint recomputation is not credited, nor is the chunked head's recomputation of its logits in the
+  backward (:mod:`tslightning.objectives.chunked_head`); norms, activations, softmax and embedding lookups are not
   matrix products and are not counted.
 
-The learner recomputes each source's full causal context (:mod:`tslightning.objectives.scored_logprobs`) and the policy
-computes logits at every position, so a source of T tokens costs :func:`source_flops` ``(shape, T, training)``. The
-boundary-adjoint context backward (App. I) runs each context once instead; its passes are counted by
-:func:`boundary_flops`.
+The learner recomputes each source's full causal context (:mod:`tslightning.objectives.scored_logprobs`) and its
+head computes logits at the scored positions only, so a source of T tokens with |M| scored costs :func:`source_flops`
+``(shape, T, training, |M|)`` (without ``scored_tokens``: logits at every position, as a plain ``model(ids).logits``
+computes them). The boundary-adjoint context backward (App. I) runs each context once instead; its passes are counted
+by :func:`boundary_flops`.
 """
 
 from __future__ import annotations
@@ -251,30 +253,37 @@ def _layer(shape: DecoderShape, training: WeightTraining, tokens: int, grad_in: 
     return count + gate + up + down, residual or grad_down
 
 
-def source_flops(shape: DecoderShape, tokens: int, training: WeightTraining | None = None) -> FlopCount:
+def source_flops(
+    shape: DecoderShape, tokens: int, training: WeightTraining | None = None, scored_tokens: int | None = None
+) -> FlopCount:
     """Forward and backward FLOPs of one source of ``tokens`` tokens (Eq. 10's numerator, App. B.1).
 
     ``tokens`` is the whole sequence the learner runs — prompt, earlier turns and observations included ("context
-    tokens contribute computation even when their loss mask is zero"). Backward counts the weight-gradient product of
+    tokens contribute computation even when their loss mask is zero"); the LM head runs over ``scored_tokens`` rows
+    (the learner's: only scored positions reach it), or every token when ``None``. Backward counts the weight-gradient
+    product of
     trained weights and the input-gradient product wherever gradients propagate, so full fine-tuning gives exactly
     3× forward; with a frozen base (LoRA) the first layer's Q/K/V base products need no backward at all, since
     nothing before them requires a gradient.
     """
-    if tokens < 0:
-        raise ValueError(f"tokens must be >= 0; got {tokens}")
+    if tokens < 0 or (scored_tokens is not None and not 0 <= scored_tokens <= tokens):
+        raise ValueError(f"tokens must be >= 0 and scored_tokens in [0, tokens]; got {tokens}, {scored_tokens}")
     training = training or WeightTraining.full()
     grad = training.embeddings_trained
     count = FlopCount()
     for _ in range(shape.num_layers):
         layer, grad = _layer(shape, training, tokens, grad)
         count += layer
-    head, _ = _projection(shape, training, "lm_head", tokens, grad or training.norms_trained)
+    rows = tokens if scored_tokens is None else scored_tokens
+    head, _ = _projection(shape, training, "lm_head", rows, grad or training.norms_trained)
     return count + head
 
 
-def learner_flops(shape: DecoderShape, tokens: int, training: WeightTraining | None = None) -> int:
+def learner_flops(
+    shape: DecoderShape, tokens: int, training: WeightTraining | None = None, scored_tokens: int | None = None
+) -> int:
     """Total credited model FLOPs (forward + backward) of one source of ``tokens`` tokens; see :func:`source_flops`."""
-    return source_flops(shape, tokens, training).total
+    return source_flops(shape, tokens, training, scored_tokens).total
 
 
 # ----------------------------------------------------------------- boundary-adjoint context backward (App. I)
@@ -297,16 +306,26 @@ class BoundaryPass:
     """One learner pass over ``tokens`` new tokens whose queries attend to ``context_tokens`` cached ones first.
 
     The attention products therefore have shape ``(tokens × d_head)(d_head × (context_tokens + tokens))``; the context
-    K/V are leaves that take a gradient whenever ``context_tokens > 0``.
+    K/V are leaves that take a gradient whenever ``context_tokens > 0``. A ``CONTINUATION``'s LM head runs over its
+    ``scored_tokens`` rows (``None``: every token).
     """
 
     work: BoundaryWork
     tokens: int
     context_tokens: int = 0
+    scored_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens < 0 or self.context_tokens < 0:
-            raise ValueError(f"BoundaryPass token counts must be >= 0; got {self.tokens}, {self.context_tokens}")
+        if self.tokens < 0 or self.context_tokens < 0 or not 0 <= (self.scored_tokens or 0) <= self.tokens:
+            raise ValueError(
+                f"BoundaryPass token counts must be >= 0 (scored_tokens at most tokens); got {self.tokens}, "
+                f"{self.context_tokens}, {self.scored_tokens}"
+            )
+
+    @property
+    def head_tokens(self) -> int:
+        """Rows the LM head runs over."""
+        return self.tokens if self.scored_tokens is None else self.scored_tokens
 
 
 def _cached_attention_products(
@@ -346,7 +365,8 @@ def boundary_pass_flops(shape: DecoderShape, work: BoundaryPass, training: Weigh
 
     * ``PREFIX_FORWARD``: the decoder layers' forward over the prompt (the LM head does not run).
     * ``CONTINUATION``: forward and loss backward as :func:`source_flops`, with attention products over
-      ``context_tokens + tokens`` keys; with ``context_tokens == 0`` it equals :func:`source_flops` ``(tokens)``.
+      ``context_tokens + tokens`` keys; with ``context_tokens == 0`` it equals :func:`source_flops`
+      ``(tokens, scored_tokens=...)``.
     * ``DEFERRED_BACKWARD``: backward only, from the segment's K/V outputs: every layer but the last in full (its
       output feeds later layers' K/V), and the last layer's K and V projections.
     """
@@ -362,7 +382,7 @@ def boundary_pass_flops(shape: DecoderShape, work: BoundaryPass, training: Weigh
     if work.work is BoundaryWork.PREFIX_FORWARD:
         return FlopCount(count.forward, 0)
     if work.work is BoundaryWork.CONTINUATION:
-        head, _ = _projection(shape, training, "lm_head", work.tokens, grad or training.norms_trained)
+        head, _ = _projection(shape, training, "lm_head", work.head_tokens, grad or training.norms_trained)
         return count + head
     backward = sum(layer.backward for layer, _ in layers[:-1])
     last_grad_in = layers[-1][1] or training.norms_trained

@@ -21,7 +21,7 @@ the head), so only the scored rows reach it; what the model returns as ``logits`
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, targets, weight, bias)
         ctx.chunk_rows = chunk_rows
         ctx.dtype = _autocast_dtype(hidden.device.type)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with _no_autocast(hidden.device.type):
             w, b = _cast(weight, ctx.dtype), _cast(bias, ctx.dtype)
             chunks = [
                 _chunk_logprobs(_cast(hidden[i : i + chunk_rows], ctx.dtype), targets[i : i + chunk_rows], w, b)
@@ -77,7 +77,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         }
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         rows = ctx.chunk_rows
-        with torch.enable_grad(), torch.autocast(hidden.device.type, enabled=False):
+        with torch.enable_grad(), _no_autocast(hidden.device.type):
             for i in range(0, hidden.shape[0], rows):
                 part = hidden[i : i + rows].detach().requires_grad_(need_hidden)
                 logp = _chunk_logprobs(_cast(part, ctx.dtype), targets[i : i + rows], w, b)
@@ -162,8 +162,18 @@ def _chunk_logprobs(
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast runs a matmul in on ``device_type`` now, or ``None`` when autocast is off."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    """The dtype autocast runs a matmul in on ``device_type`` now, or ``None`` when autocast is off (or has no such
+    device, as ``meta``)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _no_autocast(device_type: str) -> AbstractContextManager:
+    """Autocast off on ``device_type``: the chunk's casts are explicit."""
+    if not torch.amp.is_autocast_available(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
