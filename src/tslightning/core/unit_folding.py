@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -80,14 +81,14 @@ class UnitFolder:
         if self.queue is not None:
             self.queue.discard()
 
-    def _stage(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, list[Piece], torch.cuda.Event]:
+    def _stage(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, list[Piece], Any]:
         """Copy each distinct source tensor into a free page-locked buffer, without blocking (the buffer is taken
         from the pool; waits only while all ``depth`` buffers are in flight)."""
         if self._buffers is None:
             self._buffers = queue.SimpleQueue()
             dtype = pieces[0][0].dtype  # the statistics' dtype: the copy converts on the way
             for _ in range(self.queue.depth):
-                self._buffers.put(torch.empty(self.staging_numel, dtype=dtype, pin_memory=True))
+                self._buffers.put(torch.empty(self.staging_numel, dtype=dtype, pin_memory=torch.cuda.is_available()))
         buffer = self._buffers.get()
         copies: dict[int, torch.Tensor] = {}
         offset = 0
@@ -99,9 +100,19 @@ class UnitFolder:
                 copies[id(values)] = host
                 offset += values.numel()
             staged.append((view, copies[id(values)], alpha))
-        event = torch.cuda.Event()
-        event.record()
+        event = torch.cuda.Event() if torch.cuda.is_available() else _Landed()
+        event.record()  # on the learner's stream, after the copies
         return buffer, staged, event
+
+
+class _Landed:
+    """The event of a host-to-host staging copy (no accelerator): it has landed when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def _apply(pieces: Sequence[Piece]) -> None:

@@ -277,20 +277,19 @@ class ShardedStatisticsPlacement(FullyShardedPlacement):
         layout, shards = self.module.layout, self.shards
         contributions = shards.begin_pass(contribution)
         device = layout.parameters[0].device
-        done: set[int] = set()
+        exchanged: set[int] = set()
 
         def fold(unit: int, grads: dict[int, torch.Tensor]) -> None:
-            done.add(unit)
-            shards.fold_unit(contributions, layout.units[unit], grads if contribution is not None else None, device)
+            received = shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, grads), device)
+            exchanged.add(unit)
+            shards.fold_received(contributions, layout.units[unit], received)
 
         try:
             adjoints = self.units.run(outputs, self.leaves(), fold, inputs, grad_outputs, retain_graph)
         except BaseException:
             for unit in self.units.order:  # complete the pass's collectives: the peers are waiting in them
-                if unit not in done:
-                    shards.fold_unit(
-                        contributions, layout.units[unit], {} if contribution is not None else None, device
-                    )
+                if unit not in exchanged:
+                    shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, {}), device)
             raise
         shards.end_pass(contributions)
         return adjoints
@@ -330,6 +329,11 @@ def placement_of_strategy(strategy: Any) -> ParameterPlacement:
     if isinstance(strategy, fabric.DeepSpeedStrategy | trainer.DeepSpeedStrategy):
         return ZeroPlacement(strategy.config["zero_optimization"]["stage"])
     return ParameterPlacement()
+
+
+def _sent(contribution: Contribution | None, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """What this rank sends of a unit: its gradient (zeros where absent), or nothing for an idle pass."""
+    return None if contribution is None else grads
 
 
 def _numel(layout: ParameterLayout, unit: Sequence[int]) -> int:

@@ -11,11 +11,12 @@ runs* (:class:`~tslightning.core.unit_backward.UnitBackward`), so no rank ever h
 1. :meth:`StatisticsShards.begin_pass`: every rank's :class:`~tslightning.core.contribution.Contribution` (its
    source's group, group size and reward; the batch accumulator; or ``None`` for an idle pass) is all-gathered, a
    control message — every rank then knows what each rank's gradient is for;
-2. :meth:`StatisticsShards.fold_unit`, for each gradient unit as the backward completes it, in the fixed fold order
-   (the same on every rank): one ``all_to_all_single`` sends shard j of this rank's unit gradient to rank j (an idle
-   rank sends nothing), and every rank folds the shards it received, in rank order, into its shard of the right
-   statistics (Eq. 7's two axpys, or the batch sum). The unit's gradient is then dropped: what a rank holds of
-   gradients is one unit unsharded plus what it received, one unit's worth, whatever the model's size;
+2. for each gradient unit as the backward completes it, in the fixed fold order (the same on every rank):
+   :meth:`StatisticsShards.exchange_unit` — one ``all_to_all_single`` sends shard j of this rank's unit gradient to
+   rank j (an idle rank sends nothing) — and :meth:`StatisticsShards.fold_received`: every rank folds the shards it
+   received, in rank order, into its shard of the right statistics (Eq. 7's two axpys, or the batch sum). The unit's
+   gradient is then dropped: a rank holds one unit unsharded, the rows it sent and the rows it received (a unit's
+   worth each), whatever the model's size;
 3. :meth:`StatisticsShards.end_pass`: each folded source is counted in its group, and a group closes on every rank
    once all m of its sources are folded (all m rewards travelled with them: μ and a_G are known everywhere).
 
@@ -84,6 +85,9 @@ class StatisticsShards:
         self.groups = self.statistics.groups
         self.folder = UnitFolder(folding, max(self.layout.unit_numel(unit) for unit in layout.units))
         self._closed: dict[str, GroupReduction] = {}
+        self.peak_exchange_numel = 0
+        """Most gradient values one unit's exchange held at once: this rank's unit gradient, the rows it sent and
+        the rows it received."""
         self.on_close: Callable[[str], None] | None = None
         """Called with a group's id when it closes here (its last source's shard folded): the same exchange on
         every rank, so ranks that spread groups agree on which groups are open."""
@@ -121,21 +125,32 @@ class StatisticsShards:
         pass, which sends nothing)."""
         return control_all_gather(contribution)
 
-    def fold_unit(
+    def exchange_unit(
         self,
         contributions: Sequence[Contribution | None],
         unit: Sequence[int],
         grads: dict[int, torch.Tensor] | None,
         device: torch.device,
-    ) -> None:
-        """Exchange one unit of this pass (a collective: every rank, every unit, in the fold order) and fold what
-        arrives. ``grads`` is this rank's unit gradient (``None`` for an idle pass)."""
+    ) -> torch.Tensor | None:
+        """Send every rank its shard of this rank's unit gradient and receive the shards of every sending rank (a
+        collective: every rank, every unit, in the fold order); ``grads`` ``None`` for an idle pass, which sends
+        nothing. Returns ``(senders, unit_numel)`` rows in rank order (``None`` when no rank sends)."""
         senders = [c is not None for c in contributions]
         if not any(senders):
-            return
+            return None
         dtype, numel = self.statistics.dtype, self.layout.unit_numel(unit)
         rows = None if grads is None else self.layout.scatter_unit(unit, grads, dtype, device)
         received = all_to_all_rows(rows, senders, numel, dtype, device)
+        held = sum(g.numel() for g in (grads or {}).values()) + (0 if rows is None else rows.numel()) + received.numel()
+        self.peak_exchange_numel = max(self.peak_exchange_numel, held)
+        return received
+
+    def fold_received(
+        self, contributions: Sequence[Contribution | None], unit: Sequence[int], received: torch.Tensor | None
+    ) -> None:
+        """Fold the shards :meth:`exchange_unit` received, in rank order, into this rank's shard statistics."""
+        if received is None:
+            return
         pieces = []
         for c, row in zip([c for c in contributions if c is not None], received, strict=True):
             for statistic, alpha in self.statistics.terms(c):

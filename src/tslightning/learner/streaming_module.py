@@ -60,7 +60,7 @@ from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
-from tslightning.learner.update_result import ServiceRecord, UpdateResult
+from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import scored_logprobs
@@ -197,9 +197,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         """Per-source service times of the current (or last finished) update."""
         self.lockstep: LockstepTicks | None = None
         """Lock-step serving of the open update (several ranks, ZeRO-3 or FSDP2 sharded parameters), or ``None``."""
-        self.update_timings: dict[str, float] = {}
-        """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
-        add ``rollout_wait_s``, ``publication_s``, ...)."""
+        self.update_timings: UpdateTimings = {}
+        """Seconds spent per phase of the current update (:class:`UpdateTimings`: ``learner_service_s``,
+        ``barrier_s``; loop and callbacks add ``rollout_wait_s``, ``publication_s``, ...)."""
 
     # ----------------------------------------------------------------- the stream
     @property
@@ -225,7 +225,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.statistics.reset()  # (re)places the statistics: the policy may have moved to its device since
         self._registry = BatchRegistry(plan)
         self.service_log = []
-        self.update_timings = {"learner_service_s": 0.0}
+        self.update_timings = UpdateTimings(learner_service_s=0.0)
         for boundary in (self.shared_prompts, self.turn_boundaries):
             if boundary is not None:
                 boundary.reset()  # its pass ledger, like service_log, describes the last update until now
