@@ -256,17 +256,38 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
     assert "launcher started 3 ranks" in capsys.readouterr().err and not out.exists()
 
 
-def test_device_statistics_that_cannot_fit_the_gpu_name_the_settings_to_change():
+def test_a_run_that_cannot_fit_the_gpu_names_the_settings_to_change():
     from tslightning.distributed.learner_strategy import LearnerSettings
-    from tslightning.loop.preflight import statistics_problems
+    from tslightning.loop.preflight import memory_problems
     from tslightning.loop.settings import ModelSettings, RolloutSettings
 
     learner = LearnerSettings(statistics_device="device")
-    rollout = RolloutSettings(prompts_per_update=4)
-    (problem,) = statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=10 * 2**20)
-    assert problem.startswith("learner.statistics_device: device holds 4 open group(s)' G1/G2") and "host" in problem
-    assert statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=2**30) == []
-    assert statistics_problems("grpo", ModelSettings(), rollout, LearnerSettings(), 4, device_bytes=1) == []  # host
+    rollout = RolloutSettings(prompts_per_update=4, max_context_tokens=256)
+    args = ("grpo", "thundersync", ModelSettings(), rollout)
+    (problem,) = memory_problems(*args, learner, 4, 8, device_bytes=10 * 2**20)
+    assert problem.startswith("learner: each rank needs ") and "learner.statistics_device: host" in problem
+    assert memory_problems(*args, learner, 4, 8, device_bytes=2**30) == []
+    assert memory_problems(*args, learner, 4, 8, device_bytes=None) == []  # a CPU learner: nothing to check
+
+
+def test_auto_statistics_go_to_the_device_when_the_plan_fits_there_else_to_the_host():
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.learner_shape import planned_memory, policy_config
+    from tslightning.loop.settings import ModelSettings, RolloutSettings
+
+    model, rollout = ModelSettings(), RolloutSettings(prompts_per_update=4, max_context_tokens=256)
+    config = policy_config(model)
+
+    def planned(available):
+        return planned_memory(config, "grpo", "thundersync", model, rollout, LearnerSettings(), 4, 8, available)
+
+    roomy, host_only, cpu = planned(2**30), None, planned(None)
+    assert roomy.statistics_device == "device" and roomy.fits
+    on_device = roomy.plan.device_bytes(False)
+    host_only = planned(on_device - 1)
+    assert host_only.statistics_device == "host" and host_only.fits  # the statistics moved off the device
+    assert host_only.plan.device_bytes(False) <= on_device - roomy.plan.statistics
+    assert cpu.statistics_device == "host"  # one memory on a CPU learner: no copies
 
 
 def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_before_anything_is_written(

@@ -40,6 +40,9 @@ class ParameterLayout:
         self.numel = sum(p.numel() for p in self.parameters)
         self.shapes: list[torch.Size] = [p.shape for p in self.parameters]
         """Full shapes, recorded before any sharding strategy (ZeRO-3, FSDP) partitions the parameters."""
+        self.units: list[list[int]] = [[i] for i in range(len(self.parameters))]
+        """Parameter indices per gradient unit (:mod:`~tslightning.core.gradient_units`; set by the learner from the
+        model's blocks); one parameter per unit until then."""
         self._slices: list[slice] = []
         offset = 0
         for p in self.parameters:
@@ -91,6 +94,18 @@ class ParameterLayout:
             self._staging[s].copy_(g.detach().reshape(-1), non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the copies into page-locked memory have landed
         return self._staging
+
+    def unit_pieces(
+        self, flat: torch.Tensor, grads: dict[int, torch.Tensor], alpha: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Fold pieces (:mod:`~tslightning.core.unit_folding`) adding ``alpha · grads`` (``{parameter index:
+        full-shape gradient}``) into ``flat``: one ``(view of flat, gradient, alpha)`` per parameter."""
+        return [(flat[self._slices[i]], g, alpha) for i, g in grads.items()]
+
+    @property
+    def slices(self) -> list[slice]:
+        """Each parameter's slice of a flat statistic, in :attr:`parameters` order."""
+        return list(self._slices)
 
     def add_(self, flat: torch.Tensor, grads: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
         """``flat += alpha * grads`` where ``grads`` follows :attr:`parameters` (as from ``torch.autograd.grad``)."""
