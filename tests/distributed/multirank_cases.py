@@ -282,12 +282,12 @@ def full_values(module: StreamingPolicyModule) -> torch.Tensor:
         )
 
 
-def _strategy(name: str):
+def _strategy(name: str, devices: int = 2):
     timeout = timedelta(seconds=TIMEOUT_S)
     if name == "fsdp":
         from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 
-        return learner_strategy(LearnerSettings(devices=2, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
+        return learner_strategy(LearnerSettings(devices=devices, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
     if name == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
@@ -298,9 +298,12 @@ def _strategy(name: str):
 
 
 def main(out: str, strategy: str, *cases: str) -> None:
+    """``STRATEGY`` may name a rank count, ``fsdp:1`` (default 2 ranks); results go under ``OUT/STRATEGY``."""
     import lightning as L
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy))
+    name, _, devices = strategy.partition(":")
+    devices = int(devices or 2)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=_strategy(name, devices))
     fabric.launch()
     for case in cases:
         target = Path(out) / strategy / case
