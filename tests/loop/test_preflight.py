@@ -364,7 +364,9 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
     fit_module = importlib.import_module("tslightning.loop.fit")  # the module, not the fit function it exports
     fabric = SimpleNamespace(device=torch.device("cuda", 0))
     for memory, expected in ((2**30, "device"), (4 * 2**20, "host")):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=memory))
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda device, memory=memory: SimpleNamespace(total_memory=memory)
+        )
         caplog.clear()
         with caplog.at_level(logging.INFO):
             assert fit_module._statistics_device(fabric, arguments) == expected
