@@ -310,13 +310,13 @@ def main(out: str, strategy: str, *cases: str) -> None:
         target.mkdir(parents=True, exist_ok=True)
         try:
             if case.endswith("-ingest") or case.startswith("fail-"):
-                record = failing_case(case, fabric, DTYPES[strategy])
+                record = failing_case(case, fabric, DTYPES[name])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)
             elif case == "publish-shared":
                 record = shared_publishing_case(fabric)
             else:
-                record = run_case(case, fabric, DTYPES[strategy])
+                record = run_case(case, fabric, DTYPES[name])
         except Exception:
             record = {"crash": traceback.format_exc()}
         torch.save(record, target / f"rank{fabric.global_rank}.pt")
