@@ -249,14 +249,15 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
                     "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
-            own_network = self._host_uid is not None and not self.network_for(False)
+            own_network = self._host_uid is not None and (self.network is not None or not self.network_for(False))
             options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed, joined_network=own_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
             init.append(passed.data(marshal.dumps(environment)))
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
             argv = [self._bwrap, "--args", options_fd, "--", *init]
-            if own_network:  # the root launcher makes the network (no privileged ports), then becomes the bwrap
-                argv = environment_argv(self._host_uid, argv)
+            if own_network:  # the root launcher makes the network (or enters the attempt's), then becomes the bwrap
+                netns = passed.duplicate(self.network.fd) if self.network is not None else None
+                argv = environment_argv(self._host_uid, argv, netns)
             self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
             self._keeper = subprocess.Popen(
                 argv,

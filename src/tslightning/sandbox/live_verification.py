@@ -97,11 +97,13 @@ def beside_argv(
     return [*argv, "--", *bwrap_argv]
 
 
-def environment_argv(agent_uid: int, bwrap_argv: Sequence[str]) -> list[str]:
+def environment_argv(agent_uid: int, bwrap_argv: Sequence[str], netns_fd: int | None = None) -> list[str]:
     """The host command (run as root) that starts a live environment's bwrap as ``agent_uid`` in a network namespace
-    of its own: loopback up, every port bindable, as in a container (see
+    of its own (loopback up, every port bindable, as in a container), or in the attempt's network open at
+    ``netns_fd`` (:class:`~tslightning.sandbox.attempt_network.AttemptNetwork`; see
     :mod:`~tslightning.sandbox.verifier_launcher`); ``bwrap_argv`` must not unshare the network itself."""
-    launcher = [sys.executable, "-I", "-S", "-B", str(ENVIRONMENT_LAUNCHER), "--new-net", "1"]
+    network = ["--new-net", "1"] if netns_fd is None else ["--net", str(netns_fd)]
+    launcher = [sys.executable, "-I", "-S", "-B", str(ENVIRONMENT_LAUNCHER), *network]
     return [*launcher, "--uid", str(agent_uid), "--agent-uid", str(agent_uid), "--", *bwrap_argv]
 
 

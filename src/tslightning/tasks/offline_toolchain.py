@@ -227,6 +227,16 @@ def toolchain_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
     return {**env, "PATH": f"{TOOLCHAIN_BIN}:{env.get('PATH', DEFAULT_PATH)}"}
 
 
+def service_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
+    """``env`` of a helper service's commands where ``sandbox`` shows the toolchain: ``uv`` (its image's own, as
+    ``uv run server.py`` with inline dependencies) resolves offline from the wheel cache, as the toolchain's wrappers
+    make it."""
+    if TOOLCHAIN_MOUNT not in sandbox.shared:
+        return env
+    offline = {"UV_OFFLINE": "1", "UV_NO_INDEX": "1", "UV_FIND_LINKS": f"{TOOLCHAIN_MOUNT}/wheels"}
+    return {**offline, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1", "UV_LINK_MODE": "copy", **env}
+
+
 def fetches_toolchain(tests: Path) -> str | None:
     """What in ``tests`` (a verifier's ``test.sh``, or a tests directory: every shell script in it, as
     ``run-tests.sh`` sources its helpers) downloads a toolchain from the internet (the uv installer, a ``uvx`` /
