@@ -18,7 +18,7 @@ import subprocess
 
 from tslightning.sandbox.base import DEFAULT_PATH
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
-from tslightning.sandbox.live_verification import environment_argv
+from tslightning.sandbox.host_launcher import environment_argv
 
 START_TIMEOUT_S = 30.0
 _HOLD = "echo . && read _"

@@ -46,6 +46,7 @@ from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
 from tslightning.sandbox.base import BASE_ENVIRONMENT, DEFAULT_PATH, Sandbox, kernel_limits
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.file_tree import chown_tree
+from tslightning.sandbox.host_launcher import environment_argv
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.root_filesystem import RootFilesystem
 from tslightning.sandbox.supervision import CommandRequest, Launch
@@ -163,8 +164,6 @@ class BubblewrapSandbox(Sandbox):
         _unlock_mount_points(self.attempt, request.mounts)
         if self.network is None or self._host_uid is None:
             return self._bwrap_launch(request)
-        from tslightning.sandbox.live_verification import environment_argv  # it builds on this module
-
         launch = self._bwrap_launch(request, joined_network=True)
         netns = os.dup(self.network.fd)  # inheritable; ``supervise`` closes it once started
         argv = environment_argv(self._host_uid, launch.argv, netns)
@@ -290,12 +289,6 @@ class _Descriptors:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self.fds.append(fd)
         return str(fd)
-
-    def duplicate(self, fd: int) -> int:
-        """A duplicate of ``fd`` passed on (a namespace's descriptor the launcher enters)."""
-        copy = os.dup(fd)
-        self.fds.append(copy)
-        return copy
 
     def close(self) -> None:
         for fd in self.fds:

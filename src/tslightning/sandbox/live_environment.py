@@ -256,7 +256,8 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
             argv = [self._bwrap, "--args", options_fd, "--", *init]
             if own_network:  # the root launcher makes the network (or enters the attempt's), then becomes the bwrap
-                netns = passed.duplicate(self.network.fd) if self.network is not None else None
+                netns = os.dup(self.network.fd) if self.network is not None else None
+                passed.fds += [netns] if netns is not None else []
                 argv = environment_argv(self._host_uid, argv, netns)
             self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
             self._keeper = subprocess.Popen(

@@ -33,9 +33,20 @@ from typing import Any
 
 import yaml
 
+from tslightning.tasks.compose_fields import (
+    CONDITIONS,
+    ComposeError,
+    Healthcheck,
+    depends_on,
+    extra_hosts,
+    healthcheck,
+    mapping,
+    optional_str,
+    words,
+)
+
 MAIN_SERVICE = "main"
 """Harbor's name for the task's own service (where the agent's commands run)."""
-CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 IGNORED_KEYS = frozenset(
     {
         "restart", "labels", "deploy", "mem_limit", "memswap_limit", "mem_reservation", "cpus", "cpu_shares",
@@ -55,25 +66,7 @@ HARBOR_VARIABLES = ("CONTEXT_DIR", "MAIN_IMAGE_NAME", "CPUS", "MEMORY")
 """Variables Harbor sets for its compose files (the task's file may name them)."""
 
 _VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|h|m|s)")
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _SERVICE_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._-]*\Z")
-
-
-class ComposeError(ValueError):
-    """The compose file cannot be read (the message names the file and the key)."""
-
-
-@dataclass(frozen=True)
-class Healthcheck:
-    """A service's ``healthcheck`` (Docker's defaults), its test as one shell command."""
-
-    command: str
-    interval_s: float = 30.0
-    timeout_s: float = 30.0
-    retries: int = 3
-    start_period_s: float = 0.0
-    start_interval_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -289,25 +282,27 @@ class _Reader:
                 self.refuse(f"{where}.{key}", _REFUSED.get(key, "not supported without a container engine"))
         if own:
             for key in ("command", "entrypoint"):
-                if key in spec:
+                if key in spec and not _keeps_alive(words(spec[key], f"{where}.{key}")):
                     self.refuse(f"{where}.{key}", "the task's own service runs the agent's commands (Harbor's sleep)")
-            spec = {key: value for key, value in spec.items() if key not in ("build", "image", "command", "entrypoint")}
-        environment = {**self._env_files(where, spec.get("env_file")), **_mapping(spec.get("environment"), where)}
+            ignored = ("build", "image", "command", "entrypoint")
+            spec = {key: value for key, value in spec.items() if key not in ignored}
+            spec["volumes"] = [v for v in spec.get("volumes") or [] if str(v).strip(":")]  # a harness's blank logs
+        environment = {**self._env_files(where, spec.get("env_file")), **mapping(spec.get("environment"), where)}
         self._note_model_api(where, environment)
         return ServiceSpec(
             name=name,
             dockerfile=self._dockerfile(where, spec.get("build")),
-            image=_optional_str(spec.get("image"), f"{where}.image"),
-            entrypoint=_words(spec.get("entrypoint"), f"{where}.entrypoint"),
-            command=_words(spec.get("command"), f"{where}.command"),
+            image=optional_str(spec.get("image"), f"{where}.image"),
+            entrypoint=words(spec.get("entrypoint"), f"{where}.entrypoint"),
+            command=words(spec.get("command"), f"{where}.command"),
             environment=environment,
-            working_dir=_optional_str(spec.get("working_dir"), f"{where}.working_dir"),
+            working_dir=optional_str(spec.get("working_dir"), f"{where}.working_dir"),
             expose=self._ports(where, spec),
-            healthcheck=_healthcheck(spec.get("healthcheck"), f"{where}.healthcheck"),
-            depends_on=_depends_on(spec.get("depends_on"), f"{where}.depends_on"),
+            healthcheck=healthcheck(spec.get("healthcheck"), f"{where}.healthcheck"),
+            depends_on=depends_on(spec.get("depends_on"), f"{where}.depends_on"),
             volumes=self._volumes(where, spec.get("volumes"), volumes),
             aliases=tuple(str(spec[k]) for k in ("hostname", "container_name") if spec.get(k)),
-            extra_hosts=_extra_hosts(spec.get("extra_hosts"), f"{where}.extra_hosts"),
+            extra_hosts=extra_hosts(spec.get("extra_hosts"), f"{where}.extra_hosts"),
         )
 
     def _dockerfile(self, where: str, build: Any) -> Path | None:
@@ -348,7 +343,7 @@ class _Reader:
                     continue
                 raise ComposeError(f"{self.path.name}: {where}.env_file: {relative} does not exist")
             lines = path.read_text(encoding="utf-8").splitlines()
-            values |= _mapping([line for line in lines if line.strip() and not line.lstrip().startswith("#")], where)
+            values |= mapping([line for line in lines if line.strip() and not line.lstrip().startswith("#")], where)
         return values
 
     def _note_model_api(self, where: str, environment: dict[str, str]) -> None:
@@ -395,6 +390,12 @@ class _Reader:
         return tuple(volumes)
 
 
+def _keeps_alive(command: tuple[str, ...] | None) -> bool:
+    """Whether a command only keeps a container alive (Terminal-Bench 1's ``sh -c "sleep infinity"``)."""
+    text = " ".join(command or ())
+    return not text or "sleep infinity" in text or "tail -f /dev/null" in text or text in ("bash", "sh")
+
+
 _REFUSED = {
     "privileged": "a privileged container (no sandbox here grants the host's devices and capabilities)",
     "devices": "host devices",
@@ -416,110 +417,6 @@ _REFUSED = {
     "links": "legacy links (every service already reaches the others by name)",
 }
 """Why each refused service key cannot be honoured here."""
-
-
-def _optional_str(value: Any, key: str) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool | dict | list):
-        raise ComposeError(f"{key} must be a string")
-    return str(value)
-
-
-def _words(value: Any, key: str) -> tuple[str, ...] | None:
-    """A ``command`` / ``entrypoint``: a list as given; a string split as compose splits it (no shell)."""
-    if value is None:
-        return None
-    if isinstance(value, list):
-        return tuple(str(item) for item in value)
-    if isinstance(value, str):
-        try:
-            return tuple(shlex.split(value))
-        except ValueError as error:
-            raise ComposeError(f"{key}: {error}") from error
-    raise ComposeError(f"{key} must be a string or a list")
-
-
-def _mapping(value: Any, key: str) -> dict[str, str]:
-    """``environment`` as a mapping (a ``NAME=value`` list, or a mapping; a bare ``NAME`` is unset, as compose takes
-    it from a shell environment this file is not given)."""
-    if value is None:
-        return {}
-    if isinstance(value, dict):
-        return {
-            str(k): "" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()
-        }
-    if isinstance(value, list):
-        pairs = [str(item).split("=", 1) for item in value]
-        return {pair[0].strip(): pair[1] for pair in pairs if len(pair) == 2}
-    raise ComposeError(f"{key}.environment must be a list or a mapping")
-
-
-def _depends_on(value: Any, key: str) -> dict[str, str]:
-    if value is None:
-        return {}
-    if isinstance(value, list):
-        return {str(name): "service_started" for name in value}
-    if not isinstance(value, dict):
-        raise ComposeError(f"{key} must be a list or a mapping")
-    conditions = {}
-    for name, spec in value.items():
-        condition = (spec or {}).get("condition", "service_started") if isinstance(spec, dict) else "service_started"
-        if condition not in CONDITIONS:
-            raise ComposeError(f"{key}.{name}.condition must be one of {list(CONDITIONS)} (got {condition!r})")
-        conditions[str(name)] = condition
-    return conditions
-
-
-def _healthcheck(value: Any, key: str) -> Healthcheck | None:
-    if not isinstance(value, dict) or value.get("disable"):
-        return None
-    test = value.get("test")
-    if isinstance(test, str):
-        command = test
-    elif isinstance(test, list) and test and test[0] in ("CMD", "CMD-SHELL", "NONE"):
-        if test[0] == "NONE":
-            return None
-        command = shlex.join(test[1:]) if test[0] == "CMD" else " ".join(str(part) for part in test[1:])
-    else:
-        raise ComposeError(f"{key}.test must be a string or a list starting with CMD, CMD-SHELL or NONE")
-    durations = {name: _seconds(value[name], f"{key}.{name}") for name in _HEALTH_DURATIONS if name in value}
-    retries = value.get("retries", 3)
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 1:
-        raise ComposeError(f"{key}.retries must be an integer >= 1 (got {retries!r})")
-    return Healthcheck(command, retries=retries, **{_HEALTH_DURATIONS[k]: v for k, v in durations.items()})
-
-
-_HEALTH_DURATIONS = {
-    "interval": "interval_s",
-    "timeout": "timeout_s",
-    "start_period": "start_period_s",
-    "start_interval": "start_interval_s",
-}
-
-
-def _seconds(value: Any, key: str) -> float:
-    """A compose duration (``2s``, ``1m30s``, ``500ms``; a bare number is seconds) in seconds."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    text = str(value).strip()
-    parts = _DURATION.findall(text)
-    if not parts or "".join(number + unit for number, unit in parts) != text:
-        raise ComposeError(f"{key}: {value!r} is not a duration (e.g. 2s, 1m30s, 500ms)")
-    return sum(float(number) * _UNITS[unit] for number, unit in parts)
-
-
-def _extra_hosts(value: Any, key: str) -> tuple[tuple[str, str], ...]:
-    entries = value.items() if isinstance(value, dict) else [_split_host(str(item), key) for item in value or []]
-    return tuple((str(name), str(address)) for name, address in entries)
-
-
-def _split_host(entry: str, key: str) -> tuple[str, str]:
-    for separator in ("=", ":"):
-        if separator in entry:
-            name, address = entry.split(separator, 1)
-            return name, address
-    raise ComposeError(f"{key}: {entry!r} is not NAME:ADDRESS")
 
 
 __all__ = [

@@ -60,5 +60,5 @@ def prepare_container(task: TerminalTask, sandbox: ContainerSandbox, allow_inter
     sandbox.workdir = task.workdir
     sandbox.cpus = float(task.environment.cpus)
     sandbox.network = allow_internet and task.environment.network == "public"
-    if task.needs.status == "needs helper container" and task.compose_file is not None:
+    if task.needs.helpers and task.compose_file is not None:
         sandbox.compose_file = task.compose_file  # its helper services run with compose
