@@ -80,6 +80,10 @@ UNREACHABLE_TOOLS = {
     "rustup": "static.rust-lang.org",
 }
 """Package tools whose registries are not package mirrors reachable here, with the host each fetches from."""
+STAND_IN_STAGES = {"ghcr.io/astral-sh/uv": "uv"}
+"""Images a ``COPY --from`` may name whose files a PyPI package ships as they are: astral's uv image holds only the
+``uv`` and ``uvx`` binaries of the ``uv`` wheel (:func:`~tslightning.tasks.image_lite.build_image` takes them from
+it)."""
 PLACEHOLDER_COMMANDS = frozenset(
     {"bash", "/bin/bash", "sh", "/bin/sh", "sleep infinity", "tail -f /dev/null", "bash -l", "/bin/bash -l"}
 )
@@ -187,6 +191,11 @@ def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=N
     return EnvironmentNeeds(status, reasons, dockerfile, env or {}, workdir, start, hosts, compose)
 
 
+def stand_in_package(image: str) -> str | None:
+    """The PyPI package shipping ``image``'s files (:data:`STAND_IN_STAGES`), else ``None``."""
+    return STAND_IN_STAGES.get(image.split("@", 1)[0].rsplit(":", 1)[0] if "/" in image else image)
+
+
 def base_of(image: str) -> tuple[str, str] | None:
     """``(name, tag)`` of ``image`` when it is one of :data:`MAPPED_BASES` (Docker Hub's ``library/`` names, also
     through the registries that mirror them, :data:`OFFICIAL_IMAGE_MIRRORS`; digests allowed), else ``None``."""
@@ -243,7 +252,11 @@ def _read_image(dockerfile: Dockerfile, context: Path, findings: _Findings, wher
 def _check_copy(instruction: Instruction, at: str, workdir: str | None, context: Path, findings: _Findings) -> None:
     words = instruction.words()
     if "from" in instruction.flags:
-        findings.add("needs image", f"{at}: COPY --from={instruction.flags['from']} (a file from another image)")
+        stage = instruction.flags["from"]
+        if stand_in_package(stage) is not None:
+            findings.add("build", f"{at}: COPY --from={stage} (its binaries, from the {stand_in_package(stage)} wheel)")
+        else:
+            findings.add("needs image", f"{at}: COPY --from={stage} (a file from another image)")
         return
     if len(words) < 2 and not instruction.heredocs:
         findings.add("build", f"{at}: {instruction.keyword} needs a source and a destination")
@@ -377,4 +390,5 @@ __all__ = [
     "base_of",
     "environment_needs",
     "own_service",
+    "stand_in_package",
 ]
