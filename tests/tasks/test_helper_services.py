@@ -8,6 +8,7 @@ why, where the builder cannot run (not root, no mmdebstrap).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -175,3 +176,19 @@ def _netns(pid: int) -> int | None:
         return os.stat(f"/proc/{pid}/ns/net").st_ino
     except OSError:
         return None
+
+
+@pytest.mark.slow
+def test_fit_runs_two_updates_on_a_compose_task(cached, tmp_path):
+    """The trainer's own loop: every attempt of every update gets its helper services, and they end with it."""
+    shutil.copytree(SERVICES, tmp_path / "tasks" / "compose-services")
+    out = tmp_path / "run"
+    small = ["--updates", "2", "--warm_start.steps", "0", "--rollout.prompts_per_update", "1"]
+    small += ["--rollout.samples_per_prompt", "2", "--rollout.max_turns", "2", "--rollout.max_tokens_per_turn", "24"]
+    tasks = ["--rollout.tasks", str(tmp_path / "tasks"), "--rollout.task_names", "null", "--rollout.split", "all"]
+    cli.main(["fit", "--config", "quickstart", *small, *tasks, "--checkpoint.enabled", "false"] + [
+        "--progress", "false", "--out_dir", str(out)
+    ])  # fmt: skip
+    rewards = json.loads((out / "rewards.json").read_text())
+    assert len(rewards["mean_rewards"]) == 2
+    assert not [pid for pid in _host_pids() if _uid(pid) == HELPER_UID]
