@@ -8,6 +8,7 @@ import pytest
 
 from tslightning.tasks import validation
 from tslightning.tasks.environment_needs import base_of, environment_needs
+from tslightning.tasks.stand_in_stages import stand_in_package
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask
 from tslightning.tasks.validation import library_dir, unmet_needs
 
@@ -152,3 +153,13 @@ def test_harbor_main_service_is_the_tasks_own_even_without_a_build(tmp_path):
     assert only_main.status == "host" and only_main.env == {"MODE": "test"}  # main's own environment, no helper
     built = "services:\n  client:\n    build: .\n"  # Terminal-Bench 1's one service builds the task's own image
     assert environment_needs(_environment(tmp_path / "c", "FROM debian\n", docker_compose_yaml=built)).status == "host"
+
+
+def test_astral_uv_image_stands_in_from_its_wheel_any_other_stage_needs_its_image(tmp_path):
+    uv = "FROM python:3.12-slim\nCOPY --from=ghcr.io/astral-sh/uv:latest /uv /uvx /bin/\n"
+    needs = environment_needs(_environment(tmp_path / "a", uv))
+    assert needs.status == "build"
+    assert "Dockerfile:2: COPY --from=ghcr.io/astral-sh/uv:latest (its binaries, from the uv wheel)" in needs.reasons
+    other = environment_needs(_environment(tmp_path / "b", "FROM python:3.12\nCOPY --from=node:20 /usr/bin/node /x\n"))
+    assert other.status == "needs image" and "COPY --from=node:20 (a file from another image)" in other.reasons[0]
+    assert stand_in_package("ghcr.io/astral-sh/uv:0.9.7@sha256:ab") == "uv" and stand_in_package("uv") is None

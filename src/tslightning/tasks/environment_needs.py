@@ -45,6 +45,7 @@ import yaml
 
 from tslightning.tasks.compose_project import ComposeError, ComposeProject, ServiceSpec, read_compose
 from tslightning.tasks.dockerfile import Dockerfile, DockerfileError, Instruction, env_pairs
+from tslightning.tasks.stand_in_stages import stand_in_package
 
 EnvironmentStatus = Literal[
     "host", "build", "needs image", "needs network at build", "needs helper container", "needs model API"
@@ -80,10 +81,6 @@ UNREACHABLE_TOOLS = {
     "rustup": "static.rust-lang.org",
 }
 """Package tools whose registries are not package mirrors reachable here, with the host each fetches from."""
-STAND_IN_STAGES = {"ghcr.io/astral-sh/uv": "uv"}
-"""Images a ``COPY --from`` may name whose files a PyPI package ships as they are: astral's uv image holds only the
-``uv`` and ``uvx`` binaries of the ``uv`` wheel (:func:`~tslightning.tasks.image_lite.build_image` takes them from
-it)."""
 PLACEHOLDER_COMMANDS = frozenset(
     {"bash", "/bin/bash", "sh", "/bin/sh", "sleep infinity", "tail -f /dev/null", "bash -l", "/bin/bash -l"}
 )
@@ -189,11 +186,6 @@ def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=N
     reasons = tuple(reason for s in _ORDER[: _ORDER.index(status) + 1] for reason in findings.by_status[s])
     hosts = tuple(dict.fromkeys(findings.hosts))
     return EnvironmentNeeds(status, reasons, dockerfile, env or {}, workdir, start, hosts, compose)
-
-
-def stand_in_package(image: str) -> str | None:
-    """The PyPI package shipping ``image``'s files (:data:`STAND_IN_STAGES`), else ``None``."""
-    return STAND_IN_STAGES.get(image.split("@", 1)[0].rsplit(":", 1)[0] if "/" in image else image)
 
 
 def base_of(image: str) -> tuple[str, str] | None:
@@ -390,5 +382,4 @@ __all__ = [
     "base_of",
     "environment_needs",
     "own_service",
-    "stand_in_package",
 ]

@@ -27,10 +27,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +36,10 @@ from tslightning.sandbox import BASE_ENVIRONMENT
 from tslightning.sandbox.root_filesystem import REQUIRED_DIRS
 from tslightning.tasks.build_network import PROXY_ENV, allowed_hosts, run_step
 from tslightning.tasks.dockerfile import Dockerfile, Instruction, env_pairs
-from tslightning.tasks.environment_needs import base_of, stand_in_package
+from tslightning.tasks.environment_needs import base_of
 from tslightning.tasks.image_user import ROOT_IDS, home_of, resolve_user
-from tslightning.tasks.offline_toolchain import default_cache_dir, uv_binary
+from tslightning.tasks.offline_toolchain import default_cache_dir
+from tslightning.tasks.stand_in_stages import StageError, stage_files
 
 BUILDER_VERSION = "1"
 """Part of every cache key: a change to how images are built invalidates the cache."""
@@ -302,63 +301,6 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {code}: {tail}")
 
 
-def uv_stage(image: str, images: Path) -> Path:
-    """A directory laid out as astral's ``ghcr.io/astral-sh/uv[:VERSION]`` image (``/uv``, ``/uvx``), from the
-    ``uv`` wheel of that version (``latest``: the trainer's own uv), cached under ``images``.
-
-    Raises:
-        ImageBuildError: ``image`` is not astral's uv image, or its wheel could not be had.
-    """
-    if stand_in_package(image) != "uv":
-        raise ImageBuildError(f"COPY --from={image}: a file from another image (needs image)", needs="needs image")
-    tag = image.split("@", 1)[0].rsplit(":", 1)[1] if image.count(":") > 0 and "/" in image else "latest"
-    stage = images / f"stage-uv-{tag}"
-    with _locked(images, stage.name):
-        if (stage / "uv").is_file() and (stage / "uvx").is_file():
-            return stage
-        building = images / f".building-{stage.name}-{os.getpid()}"
-        shutil.rmtree(building, ignore_errors=True)
-        building.mkdir(parents=True)
-        try:
-            _fetch_uv(tag, building)
-        except BaseException:
-            shutil.rmtree(building, ignore_errors=True)
-            raise
-        os.replace(building, stage)
-    return stage
-
-
-def _fetch_uv(tag: str, target: Path) -> None:
-    """``uv`` and ``uvx`` of version ``tag`` (``latest``: the trainer's) into ``target``."""
-    if tag == "latest":
-        try:
-            uv = uv_binary()
-        except FileNotFoundError as error:
-            raise ImageBuildError(f"COPY --from=ghcr.io/astral-sh/uv:latest: {error}") from error
-        shutil.copy2(uv, target / "uv")
-        uvx = uv.with_name("uvx")
-        if uvx.is_file():
-            shutil.copy2(uvx, target / "uvx")
-        else:  # uvx is `uv tool run`
-            (target / "uvx").write_text('#!/bin/sh\nexec "$(dirname "$0")/uv" tool run "$@"\n')
-            (target / "uvx").chmod(0o755)
-        return
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:"]
-    command += ["--platform", "manylinux_2_17_x86_64", "--dest", str(target), f"uv=={tag}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    wheels = list(target.glob("uv-*.whl"))
-    if done.returncode != 0 or not wheels:
-        raise ImageBuildError(
-            f"COPY --from=ghcr.io/astral-sh/uv:{tag}: pip download uv=={tag} failed: {done.stderr[-500:]}"
-        )
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        for name in ("uv", "uvx"):
-            member = next(m for m in wheel.namelist() if m.endswith(f".data/scripts/{name}"))
-            (target / name).write_bytes(wheel.read(member))
-            (target / name).chmod(0o755)
-    wheels[0].unlink()
-
-
 def trusted_bundle() -> str | None:
     """The CA bundle the trainer's environment names (:data:`CA_VARIABLES`), else ``None``: where the trainer
     reaches the registries through a proxy that re-signs TLS with its own CA, ``RUN`` steps trust that bundle too
@@ -372,7 +314,10 @@ def trusted_bundle() -> str | None:
 
 def _copy(instruction: Instruction, rootfs: Path, context: Path, state: dict) -> None:
     if "from" in instruction.flags:  # an image a wheel stands in for (environment_needs refuses any other)
-        context = uv_stage(instruction.flags["from"], state["images"])
+        try:
+            context = stage_files(instruction.flags["from"], state["images"])
+        except StageError as error:
+            raise ImageBuildError(f"Dockerfile:{instruction.line}: {error}", needs=error.needs) from error
     words = instruction.words()
     destination = _inside(words[-1], state["workdir"]) + ("/" if words[-1].endswith("/") else "")
     if instruction.heredocs:
