@@ -16,7 +16,10 @@ in Harbor: a fresh sandbox beside the environment, in its network namespace and 
 and in namespaces of its own (:mod:`~tslightning.sandbox.live_verification`), with ``/tests`` copied in only then;
 the environment ends when it returns, before its reward files are read. Where that cannot be (the trainer is not
 root, so there is no second uid to run it as; ``nsenter`` or ``setpriv`` missing; the environment is not running),
-the environment ends first and the verifier runs in a fresh per-command sandbox. :meth:`close` (the attempt's end)
+the environment ends first and the verifier runs in a fresh per-command sandbox (in the attempt's shared network
+when it has one: :attr:`~tslightning.sandbox.bubblewrap.BubblewrapSandbox.network`, where helper services answer).
+With an attempt network the environment starts in it rather than in a network of its own, so a restart (the next
+step of a multi-step task) finds the same services. :meth:`close` (the attempt's end)
 ends it too; bwrap's ``--die-with-parent`` ends it if the trainer dies.
 """
 
