@@ -271,23 +271,10 @@ class _Reader:
             raise ComposeError(f"{self.path.name}: {where}: not a valid service name")
         if spec.get("profiles"):
             return None
-        handled = {
-            "build", "image", "command", "entrypoint", "environment", "env_file", "working_dir", "expose", "ports",
-            "healthcheck", "depends_on", "volumes", "hostname", "container_name", "extra_hosts", "profiles",
-        }  # fmt: skip
-        for key in spec:
-            if key == "network_mode" and spec[key] in ("bridge", "default"):
-                continue  # the attempt's own network, shared by its services
-            if key not in handled and key not in IGNORED_KEYS:
-                self.refuse(f"{where}.{key}", _REFUSED.get(key, "not supported without a container engine"))
-        if own:
-            for key in ("command", "entrypoint"):
-                if key in spec and not _keeps_alive(words(spec[key], f"{where}.{key}")):
-                    self.refuse(f"{where}.{key}", "the task's own service runs the agent's commands (Harbor's sleep)")
-            ignored = ("build", "image", "command", "entrypoint")
-            spec = {key: value for key, value in spec.items() if key not in ignored}
-            spec["volumes"] = [v for v in spec.get("volumes") or [] if str(v).strip(":")]  # a harness's blank logs
+        spec = self._check_keys(where, spec, own)
         environment = {**self._env_files(where, spec.get("env_file")), **mapping(spec.get("environment"), where)}
+        if own:  # a harness's plumbing for its own service (Terminal-Bench 1's ${T_BENCH_...}) is blank here
+            environment = {name: value for name, value in environment.items() if value}
         self._note_model_api(where, environment)
         return ServiceSpec(
             name=name,
@@ -304,6 +291,23 @@ class _Reader:
             aliases=tuple(str(spec[k]) for k in ("hostname", "container_name") if spec.get(k)),
             extra_hosts=extra_hosts(spec.get("extra_hosts"), f"{where}.extra_hosts"),
         )
+
+    def _check_keys(self, where: str, spec: dict, own: bool) -> dict:
+        """Refuse what cannot be honoured (one line per key); the task's own service without what Harbor's base
+        file decides for it (its build, image and keep-alive command)."""
+        for key in spec:
+            if key == "network_mode" and spec[key] in ("bridge", "default"):
+                continue  # the attempt's own network, shared by its services
+            if key not in _HANDLED and key not in IGNORED_KEYS:
+                self.refuse(f"{where}.{key}", _REFUSED.get(key, "not supported without a container engine"))
+        if not own:
+            return spec
+        for key in ("command", "entrypoint"):
+            if key in spec and not _keeps_alive(words(spec[key], f"{where}.{key}")):
+                self.refuse(f"{where}.{key}", "the task's own service runs the agent's commands (Harbor's sleep)")
+        kept = {key: value for key, value in spec.items() if key not in ("build", "image", "command", "entrypoint")}
+        kept["volumes"] = [v for v in spec.get("volumes") or [] if str(v).strip(":")]  # a harness's blank log mounts
+        return kept
 
     def _dockerfile(self, where: str, build: Any) -> Path | None:
         if build is None:
@@ -396,6 +400,12 @@ def _keeps_alive(command: tuple[str, ...] | None) -> bool:
     return not text or "sleep infinity" in text or "tail -f /dev/null" in text or text in ("bash", "sh")
 
 
+_HANDLED = frozenset(
+    {
+        "build", "image", "command", "entrypoint", "environment", "env_file", "working_dir", "expose", "ports",
+        "healthcheck", "depends_on", "volumes", "hostname", "container_name", "extra_hosts", "profiles",
+    }
+)  # fmt: skip
 _REFUSED = {
     "privileged": "a privileged container (no sandbox here grants the host's devices and capabilities)",
     "devices": "host devices",
