@@ -147,7 +147,7 @@ ONE_RANK = {
 def test_every_placement_on_one_rank_equals_one_process(tmp_path, strategy):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    done = _launch(tmp_path, strategy, *ONE_RANK[strategy])
+    done = _launch(tmp_path, strategy, *ONE_RANK[strategy], timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for case in ONE_RANK[strategy]:
         _check_against_one_process(tmp_path, strategy, case, world_size=1)
