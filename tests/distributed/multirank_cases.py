@@ -9,7 +9,8 @@ the test computes in its own process.
 Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), optionally followed by ``-sharded``
 (``shard_statistics``), ``-spread`` (GRPO groups dealt over the ranks by trajectory), ``-odd`` (an MLP width of
 255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``), ``-queue`` (``fold_queue_depth=2``),
-``-deep`` (12 decoder layers), ``-whole`` (one gradient unit: the whole gradient at once) and an advantage estimator
+``-deep`` (12 decoder layers), ``-whole`` (one gradient unit: the whole gradient at once), ``-lora`` (peft LoRA
+adapters on q/v, each an FSDP2 unit of its own) and an advantage estimator
 (``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
@@ -40,7 +41,8 @@ DEEP_LAYERS = 12
 """Decoder layers of the ``-deep`` policy (the memory measurement: many units, none dominant)."""
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
 UPDATES = 2
-TIMEOUT_S = 30
+TIMEOUT_S = int(os.environ.get("MULTIRANK_TIMEOUT_S", "30"))
+"""Process-group timeout of the cases (seconds); a loaded machine running them locally may raise it."""
 DTYPES = {
     "ddp": torch.float64,
     "fsdp": torch.float64,
@@ -61,9 +63,18 @@ def make_batches(objective: str, dtype: torch.dtype) -> list:
     return [synthetic_opd_batch(vocab, k, generator, teacher, SHAPE) for k in range(UPDATES)]
 
 
-def make_policy(dtype: torch.dtype, intermediate_size: int = 256, layers: int = 2) -> torch.nn.Module:
+def make_policy(
+    dtype: torch.dtype, intermediate_size: int = 256, layers: int = 2, lora: bool = False
+) -> torch.nn.Module:
     config = TinyModelConfig(seed=0, intermediate_size=intermediate_size, num_hidden_layers=layers)
-    return _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
+    policy = _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
+    if not lora:
+        return policy
+    from peft import LoraConfig, get_peft_model
+
+    adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(3)  # the adapters' initial values: the same on every rank and in the reference
+    return get_peft_model(policy, adapters)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -77,11 +88,13 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
     objective, schedule, *options = case.split("-")
     sharded = "sharded" in options
-    flags = ("sharded", "spread", "odd", "cap1", "queue", "deep", "whole")
+    flags = ("sharded", "spread", "odd", "cap1", "queue", "deep", "whole", "lora")
     advantage = next((option for option in options if option not in flags), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
-        make_policy(dtype, 255 if "odd" in options else 256, DEEP_LAYERS if "deep" in options else 2),
+        make_policy(
+            dtype, 255 if "odd" in options else 256, DEEP_LAYERS if "deep" in options else 2, "lora" in options
+        ),
         objective,
         schedule,
         advantage,
@@ -269,12 +282,12 @@ def full_values(module: StreamingPolicyModule) -> torch.Tensor:
         )
 
 
-def _strategy(name: str):
+def _strategy(name: str, devices: int = 2):
     timeout = timedelta(seconds=TIMEOUT_S)
     if name == "fsdp":
         from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 
-        return learner_strategy(LearnerSettings(devices=2, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
+        return learner_strategy(LearnerSettings(devices=devices, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
     if name == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
@@ -285,22 +298,25 @@ def _strategy(name: str):
 
 
 def main(out: str, strategy: str, *cases: str) -> None:
+    """``STRATEGY`` may name a rank count, ``fsdp:1`` (default 2 ranks); results go under ``OUT/STRATEGY``."""
     import lightning as L
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy))
+    name, _, devices = strategy.partition(":")
+    devices = int(devices or 2)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=_strategy(name, devices))
     fabric.launch()
     for case in cases:
         target = Path(out) / strategy / case
         target.mkdir(parents=True, exist_ok=True)
         try:
             if case.endswith("-ingest") or case.startswith("fail-"):
-                record = failing_case(case, fabric, DTYPES[strategy])
+                record = failing_case(case, fabric, DTYPES[name])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)
             elif case == "publish-shared":
                 record = shared_publishing_case(fabric)
             else:
-                record = run_case(case, fabric, DTYPES[strategy])
+                record = run_case(case, fabric, DTYPES[name])
         except Exception:
             record = {"crash": traceback.format_exc()}
         torch.save(record, target / f"rank{fabric.global_rank}.pt")

@@ -32,6 +32,8 @@ SPREAD = [f"grpo-thundersync-sharded-spread-odd-{e}" for e in ESTIMATORS] + [
 OPD_SHARDED = ["opd-thundersync-sharded-odd", "opd-sync-sharded-odd", "opd-thundersync-sharded-odd-queue"]
 """OPD's one sum sharded the same way; ``-queue``: units folded on the folding thread (``fold_queue_depth=2``)."""
 QUEUED = "grpo-thundersync-sharded-spread-odd-queue-grpo"
+LORA = ["grpo-thundersync-sharded-spread-lora-grpo", "opd-thundersync-sharded-lora"]
+"""LoRA adapters under FSDP2 (adapter layers as units of their own), statistics over the adapters only."""
 WHOLE = "grpo-thundersync-odd-grpo"
 WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
 """Whole statistics under lock-step with an admission cap: a released group closes after its queued folds."""
@@ -40,7 +42,7 @@ WHOLE_CAPPED = "grpo-thundersync-odd-cap1-grpo"
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
-    cases = [WHOLE, WHOLE_CAPPED, *SHARDED, *SPREAD, *OPD_SHARDED, QUEUED, "fail-pass-sharded"]
+    cases = [WHOLE, WHOLE_CAPPED, *SHARDED, *SPREAD, *OPD_SHARDED, QUEUED, *LORA, "fail-pass-sharded"]
     done = _launch(out, "fsdp", *cases, timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -79,11 +81,12 @@ def test_the_update_equals_the_sync_replay(fsdp_run, case):
         assert sum(idle for r in ranks for _, idle, _ in r["lockstep"]) > 0  # exchanges paired with idle passes
 
 
-@pytest.mark.parametrize("case", [*OPD_SHARDED, QUEUED])
-def test_opd_and_background_folds_give_the_sync_replay(fsdp_run, case):
-    """OPD's sum sharded like GRPO's statistics, and units folded on the folding thread: the single-process sync
-    update."""
-    replay = run_case(case.split("-")[0] + "-sync-odd" + ("-grpo" if case.startswith("grpo") else ""), None)
+@pytest.mark.parametrize("case", [*OPD_SHARDED, QUEUED, *LORA])
+def test_opd_lora_and_background_folds_give_the_sync_replay(fsdp_run, case):
+    """OPD's sum sharded like GRPO's statistics, LoRA adapters as FSDP2 units, and units folded on the folding
+    thread: the single-process sync update."""
+    variant = "-lora" if "lora" in case else "-odd"
+    replay = run_case(case.split("-")[0] + "-sync" + variant + ("-grpo" if case.startswith("grpo") else ""), None)
     for record in (_load(fsdp_run, "fsdp", case, r) for r in (0, 1)):
         for k in range(len(replay["directions"])):
             assert _rel(record["directions"][k], replay["directions"][k]) <= TOLERANCE

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 import tslightning.loop.startup as startup
 from tslightning import cli
@@ -343,3 +344,35 @@ def test_several_ranks_may_share_vllm_servers_and_only_sharded_lora_is_refused(s
     assert problems(ModelSettings()) == []  # several learner ranks on the same servers
     lora = problems(ModelSettings(lora=LoraSettings()))
     assert lora == ([] if strategy == "ddp" else [BAD_INPUTS["shared-servers-lora-fsdp"][1]])
+
+
+def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatch, caplog):
+    """What ``fit`` does on an accelerator at start, with the device faked: rank 0 prints the per-rank plan, and
+    ``statistics_device: auto`` goes where the plan fits."""
+    import importlib
+    import logging
+    from types import SimpleNamespace
+
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.settings import ModelSettings, RolloutSettings
+
+    arguments = {
+        "learner": LearnerSettings(),
+        "model": ModelSettings(),
+        "rollout": RolloutSettings(prompts_per_update=4, max_context_tokens=256),
+        "objective": "grpo",
+        "schedule": "thundersync",
+        "group_admission_cap": 4,
+        "sync_micro_batch_size": 8,
+    }
+    fit_module = importlib.import_module("tslightning.loop.fit")  # the module, not the fit function it exports
+    fabric = SimpleNamespace(device=torch.device("cuda", 0))
+    for memory, expected in ((2**30, "device"), (4 * 2**20, "host")):
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda device, memory=memory: SimpleNamespace(total_memory=memory)
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert fit_module._statistics_device(fabric, arguments) == expected
+        assert f"statistics on the {expected}" in caplog.text and "device peak" in caplog.text
+    assert fit_module._statistics_device(SimpleNamespace(device=torch.device("cpu")), arguments) == "host"

@@ -163,3 +163,28 @@ def test_a_fold_queue_keeps_its_pending_units_alive_where_the_statistics_are(tin
     assert queued.gradients == 3 * one.gradients and queued.statistics == one.statistics
     host = plan_learner_memory(config, LearnerShape(fold_queue_depth=2), activations=False)
     assert host.gradients == one.gradients and host.staging == 2 * 2 ** math.ceil(math.log2(one.gradients))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_streaming_costs_at_most_its_statistics_over_the_sync_schedule(tiny, sharded):
+    """App. D.3: streaming's extra memory over the sync schedule's for the same run is the open groups' statistics,
+    at most (2k + 1)·P values per rank, P this rank's shard of the trainable parameters."""
+    model, config = tiny
+    placement = placement_for("fsdp", shard_statistics=True) if sharded else placement_for("ddp")
+    world = 4 if sharded else 1
+    shard = (
+        ShardLayout(ParameterLayout(model.parameters()), world, 0).numel
+        if sharded
+        else sum(p.numel() for p in model.parameters())
+    )
+    for k in (1, 2):
+        for where in ("device", "host"):
+            common = dict(placement=placement, world_size=world, open_groups=k, spread_groups=sharded)
+            stream = plan_learner_memory(config, LearnerShape(**common, statistics_device=where), activations=False)
+            sync = plan_learner_memory(
+                config, LearnerShape(**common, statistics_device=where, schedule="sync"), activations=False
+            )
+            extra = stream.statistics - sync.statistics
+            assert 0 < extra <= (2 * k + 1) * shard * 4  # float32 statistics
+            device_extra = stream.device_bytes(True) - sync.device_bytes(True)
+            assert device_extra == (extra if where == "device" else 0)

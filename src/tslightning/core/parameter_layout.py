@@ -112,13 +112,6 @@ class ParameterLayout:
         for s, g in zip(self._slices, grads, strict=True):
             flat[s].add_(g.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype), alpha=alpha)
 
-    def with_zeros(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Per-parameter gradients with zeros where autograd returned ``None`` (a parameter the pass did not use)."""
-        return [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
-            for p, shape, g in zip(self.parameters, self.shapes, grads, strict=True)
-        ]
-
     def write_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
         """Set every parameter's ``.grad`` to ``scale * flat[its slice]`` in the parameter's dtype and device."""
         for p, s in zip(self.parameters, self._slices, strict=True):
