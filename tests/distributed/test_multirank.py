@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -212,7 +213,8 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     with (out / "csv" / "version_0" / "metrics.csv").open() as f:
         logged = [row for row in csv.DictReader(f)]
     norms = [float(row["actor/grad_norm"]) for row in logged if row.get("actor/grad_norm")]
-    assert len(norms) == 2 and all(n > 0 for n in norms)  # the module clips under sharding, and logs what it did
+    # the module clips under sharding, and logs what it did (0 when every group's rewards were equal)
+    assert len(norms) == 2 and all(math.isfinite(n) and n >= 0 for n in norms)
 
 
 def test_fit_with_sharded_statistics_spreads_every_group_over_both_ranks(tmp_path):

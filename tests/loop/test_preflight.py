@@ -302,9 +302,9 @@ def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_bef
         "them that way: set learner.strategy: fsdp or learner.shard_statistics: false"
     ]
     fsdp = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True)
-    assert fsdp.sharding_problems("grpo") == [] and "objective 'opd'" in fsdp.sharding_problems("opd")[0]
+    assert fsdp.sharding_problems("grpo") == [] and fsdp.sharding_problems("opd") == []  # OPD's sum shards too
     queued = LearnerSettings(devices=2, strategy="fsdp", shard_statistics=True, fold_queue_depth=2)
-    assert "set learner.fold_queue_depth: 0 with it" in queued.sharding_problems("grpo")[0]
+    assert queued.sharding_problems("grpo") == []  # units fold on the folding thread after their exchange
     assert "learner.fold_queue_depth must be an int >= 0" in LearnerSettings(fold_queue_depth=-1).problems("sync")[0]
     out = tmp_path / "run"
     argv = ["fit", "--config", "configs/quickstart.yaml", "--learner.devices", "2", "--out_dir", str(out)]

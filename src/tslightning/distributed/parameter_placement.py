@@ -153,13 +153,14 @@ class ParameterPlacement:
         :class:`~tslightning.callbacks.GradientClipping` callback may clip it instead of the module."""
         layout = self.module.layout
         layout.write_grads(direction, scale=-1.0)
+        written = float(total_norm(p.grad for p in layout.parameters))
         _run(before_step)
         grad_norm = total_norm(p.grad for p in layout.parameters)  # after any callback's clipping, as torch takes it
-        applied = float(grad_norm)
+        applied = float(grad_norm) / written if written > 0 else 1.0  # what the callbacks left of −g_k
         if max_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(layout.parameters, max_norm, grad_norm)
-            applied *= clip_coefficient(applied, max_norm)
-        return applied / norm if norm > 0 else 1.0
+            applied *= clip_coefficient(float(grad_norm), max_norm)
+        return applied
 
 
 class ZeroPlacement(ParameterPlacement):
