@@ -243,6 +243,7 @@ def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str 
     planned = planned_memory(
         config, arguments["objective"], arguments["schedule"], arguments["model"], arguments["rollout"], learner,
         arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
+        arguments["optimizer"].state_dtype,
     )  # fmt: skip
     print(plan_report(planned.plan, planned.shape, gpu_memory_gb, learner.activation_checkpointing))
 

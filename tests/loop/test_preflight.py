@@ -354,6 +354,7 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
     from types import SimpleNamespace
 
     from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.learner.settings import OptimizerSettings
     from tslightning.loop.settings import ModelSettings, RolloutSettings
 
     arguments = {
@@ -364,6 +365,7 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
         "schedule": "thundersync",
         "group_admission_cap": 4,
         "sync_micro_batch_size": 8,
+        "optimizer": OptimizerSettings(),
     }
     fit_module = importlib.import_module("tslightning.loop.fit")  # the module, not the fit function it exports
     fabric = SimpleNamespace(device=torch.device("cuda", 0))

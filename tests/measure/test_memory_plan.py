@@ -106,6 +106,8 @@ def test_sharding_lora_and_precision_scale_the_components(tiny):
         LearnerShape(precision="bf16-mixed", lora_rank=4, lora_targets=("q_proj", "v_proj"), sequence_tokens=256),
     )
     assert lora.optimizer < full.optimizer / 20 and lora.weights < full.weights  # bf16 base, float32 adapters
+    compact = plan_learner_memory(config, LearnerShape(sequence_tokens=256, optimizer_state_dtype="bfloat16"))
+    assert compact.optimizer == full.optimizer / 2  # Table 5's bf16 Adam state
     opd = plan_learner_memory(config, LearnerShape(objective="opd", sequence_tokens=256))
     assert opd.statistics == full.optimizer / 2  # one parameter-sized float32 sum
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 
 class Schedule(StrEnum):
@@ -25,3 +26,7 @@ class OptimizerSettings:
     """AdamW's ε, added to the root of the second moment."""
     weight_decay: float = 0.0
     """Decoupled weight decay (0: none, as in Table 5)."""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of AdamW's two moments: ``bfloat16`` halves the optimizer state (Table 5's "Adam state BF16";
+    :class:`~tslightning.learner.compact_adamw.CompactAdamW`), the update itself stays in the master weights'
+    dtype."""

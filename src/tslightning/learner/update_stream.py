@@ -27,6 +27,7 @@ from tslightning.core.sources import (
     TrajectorySource,
     TurnSource,
 )
+from tslightning.learner.compact_adamw import CompactAdamW
 from tslightning.learner.update_log import log_update_metrics
 from tslightning.learner.update_result import UpdateResult
 from tslightning.objectives.advantages import AdvantageEstimator
@@ -56,9 +57,13 @@ class UpdateStreamHooks:
         return dict(zip(names, self.layout.unflatten(self.last_direction), strict=True))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """AdamW over the trainable parameters with :attr:`optimizer_settings`."""
+        """AdamW over the trainable parameters with :attr:`optimizer_settings` (moments in bfloat16 when its
+        ``state_dtype`` says so)."""
         s = self.optimizer_settings
-        return torch.optim.AdamW(self.layout.parameters, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+        settings = {"lr": s.lr, "betas": s.betas, "eps": s.eps, "weight_decay": s.weight_decay}
+        if s.state_dtype == "bfloat16":
+            return CompactAdamW(self.layout.parameters, **settings, state_dtype=torch.bfloat16)
+        return torch.optim.AdamW(self.layout.parameters, **settings)
 
     def training_step(self, batch: Iterable[StreamItem | BatchPlan] | StreamItem | BatchPlan, batch_idx: int) -> None:
         """One update per Trainer batch: ``batch`` is the update's stream — its :class:`BatchPlan`, sources and events

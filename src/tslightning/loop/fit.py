@@ -294,6 +294,7 @@ def _statistics_device(fabric, arguments: dict) -> str:
     planned = planned_memory(
         policy_config(model), arguments["objective"], arguments["schedule"], model, rollout, learner,
         arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
+        arguments["optimizer"].state_dtype,
     )  # fmt: skip
     rank_zero_info(plan_report(planned.plan, planned.shape, available / 2**30, learner.activation_checkpointing))
     return planned.statistics_device

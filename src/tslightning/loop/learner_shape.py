@@ -40,6 +40,7 @@ def learner_shape(
     schedule: str = "thundersync",
     statistics_device: str | None = None,
     sync_micro_batch_size: int = 1,
+    optimizer_state_dtype: str = "float32",
 ) -> LearnerShape:
     """The :class:`LearnerShape` a ``fit`` run with these settings trains in, per rank; ``statistics_device``
     resolves ``learner.statistics_device: auto`` (``None``: the setting, ``auto`` planned as the host)."""
@@ -59,6 +60,7 @@ def learner_shape(
         fold_queue_depth=learner.fold_queue_depth,
         sync_micro_batch_size=sync_micro_batch_size,
         logprob_chunk_tokens=learner.logprob_chunk_tokens,
+        optimizer_state_dtype=optimizer_state_dtype,
         lora_rank=model.lora.r if model.lora is not None else None,
         lora_targets=tuple(model.lora.target_modules) if model.lora is not None else (),
     )
@@ -111,12 +113,13 @@ def planned_memory(
     group_admission_cap,
     sync_micro_batch_size: int,
     available: int | None,
+    optimizer_state_dtype: str = "float32",
 ) -> PlannedMemory:
     """Plan the run; resolve ``statistics_device: auto`` against ``available`` device bytes (a CPU learner, or an
     unknown device: the host)."""
     shape_for = partial(
         learner_shape, config, objective, model, rollout, learner, group_admission_cap, schedule,
-        sync_micro_batch_size=sync_micro_batch_size,
+        sync_micro_batch_size=sync_micro_batch_size, optimizer_state_dtype=optimizer_state_dtype,
     )  # fmt: skip
     checkpointing = learner.activation_checkpointing
     if learner.statistics_device == "auto" and available is not None:

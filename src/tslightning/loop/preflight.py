@@ -106,7 +106,7 @@ def preflight(
     problems += process_group_problems(learner)
     problems += memory_problems(
         objective, schedule, model, rollout, learner, group_admission_cap, sync_micro_batch_size,
-        device_memory(accelerator),
+        device_memory(accelerator), optimizer.state_dtype,
     )  # fmt: skip
     problems += (
         resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
@@ -279,6 +279,7 @@ def memory_problems(
     cap,
     sync_micro_batch_size: int,
     device_bytes: int | None,
+    optimizer_state_dtype: str = "float32",
 ) -> list[str]:
     """A run whose per-rank plan (:mod:`tslightning.measure.memory_plan`) exceeds the learner device's memory
     (``device_bytes``; ``None``: not a GPU run, nothing to check), naming the settings to change."""
@@ -286,8 +287,9 @@ def memory_problems(
         return []
     config = policy_config(model)
     planned = planned_memory(
-        config, objective, schedule, model, rollout, learner, cap, sync_micro_batch_size, device_bytes
-    )
+        config, objective, schedule, model, rollout, learner, cap, sync_micro_batch_size, device_bytes,
+        optimizer_state_dtype,
+    )  # fmt: skip
     return planned.problems()
 
 

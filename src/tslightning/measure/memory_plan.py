@@ -13,8 +13,8 @@ which the plan asks instead of reading strategy names. Per rank:
   it, so a source's gradient never exists whole. Sharded statistics add the unit's exchange (the rows sent and the
   rows received, a unit each); ``learner.fold_queue_depth`` d adds d units waiting for the folding thread (on the
   device when the statistics are, else in page-locked host staging buffers);
-* **optimizer** — AdamW's two moments per trainable value, in the master weights' dtype, divided among the ranks
-  when the placement shards the optimizer state;
+* **optimizer** — AdamW's two moments per trainable value, in the master weights' dtype (bfloat16 with
+  ``optimizer.state_dtype``), divided among the ranks when the placement shards the optimizer state;
 * **statistics** — the streaming accumulators (App. D.3): GRPO holds G1 and G2 for each open group plus the batch
   accumulator, (2k + 1) trainable-sized vectors for k open groups; OPD and the ``sync`` schedule one. With sharded
   statistics a rank holds its shard — FSDP2's dim-0 chunk of every trainable parameter, padded — of the groups open on
@@ -107,6 +107,7 @@ class LearnerShape:
     fold_queue_depth: int = 0
     sync_micro_batch_size: int = 1
     logprob_chunk_tokens: int = DEFAULT_CHUNK_ROWS
+    optimizer_state_dtype: str = "float32"
     lora_rank: int | None = None
     lora_targets: tuple[str, ...] = ()
 
@@ -144,11 +145,14 @@ class MemoryPlan:
     """Host memory the statistics take as allocated (page-locked blocks rounded up to powers of two)."""
     largest_unit: int = 0
     """Values of the largest gradient unit."""
+    head_transient: int = 0
+    """What the chunked output head's backward holds for a moment, at the pass's peak (every activation still
+    saved): the head weight in the compute dtype, one chunk's weight gradient, one chunk of logits."""
 
     def pass_bytes(self, checkpointing: bool) -> int:
         """The device during a pass: everything but host-resident statistics and the barrier's buffers."""
         activations = self.activations_checkpointed + self.layer_recompute if checkpointing else self.activations
-        return self._resident + self.gathered + self.gradients + activations
+        return self._resident + self.gathered + self.gradients + activations + self.head_transient
 
     def barrier_bytes(self) -> int:
         """The device at the barrier: the passes' memory is free, the direction and ``.grad`` are not."""
@@ -186,6 +190,7 @@ class MemoryPlan:
             ("activations, one pass", self.activations, "device"),
             ("activations, checkpointed (saved)", self.activations_checkpointed, "device"),
             ("  + one layer recomputed", self.layer_recompute, "device"),
+            ("  + the head's backward, one chunk", self.head_transient, "device"),
             ("barrier (direction, .grad, publication)", self.barrier, "device"),
             ("fold staging buffers", self.staging, "host (page-locked)"),
             ("device peak", self.device_bytes(False), "without checkpointing"),
@@ -226,6 +231,9 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     trainable = _lora_numel(model, shape) if shape.lora_rank else total
     frozen = total if shape.lora_rank else 0
     size, statistics_size = _size(trainable_dtype), _size(torch.promote_types(trainable_dtype, torch.float32))
+    moments = (
+        trainable_dtype if shape.optimizer_state_dtype == "float32" else getattr(torch, shape.optimizer_state_dtype)
+    )
     units = _unit_numels(model, shape)
     shards = shape.shards("statistics")
     vectors = 2 * shape.open_groups + 1 if shape.objective == "grpo" and shape.schedule != "sync" else 1
@@ -246,7 +254,7 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     return MemoryPlan(
         weights=math.ceil((trainable * size + frozen * _size(frozen_dtype)) / weights_shards),
         gradients=unit * size + exchange + (queued if on_device else 0),
-        optimizer=math.ceil(2 * trainable * size / shape.shards("optimizer")),
+        optimizer=math.ceil(2 * trainable * _size(moments) / shape.shards("optimizer")),
         statistics=vectors * vector * statistics_size,
         activations=saved,
         activations_checkpointed=checkpointed,
@@ -260,7 +268,22 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
         staging=0 if on_device else _pinned(unit * statistics_size) * shape.fold_queue_depth,
         host_statistics=0 if on_device else vectors * _pinned(vector * statistics_size),
         largest_unit=unit,
+        head_transient=_head_transient(
+            model, shape, frozen_dtype if shape.lora_rank else trainable_dtype, compute_dtype
+        )
+        if activations
+        else 0,
     )
+
+
+def _head_transient(model: torch.nn.Module, shape: LearnerShape, weights: torch.dtype, compute: torch.dtype) -> int:
+    """The chunked head's backward (:mod:`tslightning.objectives.chunked_head`): the head weight cast to the compute
+    dtype (when it differs), one chunk's weight gradient in it, and one chunk of logits with its float32 log-softmax
+    and their gradients (16 bytes per row and vocabulary entry)."""
+    head = model.get_output_embeddings().weight
+    cast = head.numel() * _size(compute) if compute != weights else 0
+    gradient = 0 if shape.lora_rank else head.numel() * _size(compute)  # a LoRA base's head is frozen
+    return cast + gradient + shape.logprob_chunk_tokens * head.shape[0] * 16
 
 
 def plan_report(plan: MemoryPlan, shape: LearnerShape, gpu_memory_gb: float | None, checkpointing: bool) -> str:
@@ -379,7 +402,7 @@ def saved_activation_bytes(
 
     weights_dtype = next(model.parameters()).dtype
     autocast = (
-        torch.autocast("cpu", dtype=compute_dtype)
+        torch.autocast("cpu", dtype=compute_dtype, cache_enabled=False)  # as the learner's passes run it
         if compute_dtype is not None and compute_dtype.itemsize < weights_dtype.itemsize
         else nullcontext()
     )
