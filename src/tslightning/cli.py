@@ -23,7 +23,7 @@ from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import fit
 from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.run_config import yaml_text
-from tslightning.loop.settings import SettingsError
+from tslightning.loop.settings import SettingsError, moved_key
 from tslightning.measure.analytical_model import SpeedupModelParameters
 from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.sandbox import SandboxUnavailableError
@@ -240,7 +240,7 @@ def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str 
     arguments = cli.instantiate(cli.parse_args(["fit", "--config", _config_file(fit_config)]))["fit"]
     config = policy_config(arguments["model"], model_config)
     learner = arguments["learner"]
-    model, rollout, cap = arguments["model"], arguments["rollout"], arguments["group_admission_cap"]
+    model, rollout, cap = arguments["model"], arguments["rollout"], arguments["algorithm"].group_admission_cap
     shape = learner_shape(config, arguments["objective"], model, rollout, learner, cap)
     memory = plan_learner_memory(config, shape)
     print(plan_report(memory, shape, gpu_memory_gb, learner.activation_checkpointing))
@@ -311,6 +311,7 @@ def _run(args: list[str]) -> None:
     args = _expand_bare_flags(
         _shipped_config_paths(_bench_fit_config(_config_after_command(_positional_task_dir(args))))
     )
+    _refuse_moved_keys(args)
     cli = parser()
     config = cli.parse_args(args)
     try:
@@ -323,6 +324,36 @@ def _run(args: list[str]) -> None:
     arguments.pop("config", None)
     arguments.pop("subcommand", None)
     command(**arguments)
+
+
+def _refuse_moved_keys(args: list[str]) -> None:
+    """A ``fit`` key that moved (``--max_grad_norm``, a config's ``optimizer:``), named in one line with its new key,
+    before jsonargparse reports it as merely unknown. Configs are checked for ``fit``, ``plan`` and ``bench``."""
+    if args[:1] not in (["fit"], ["plan"], ["bench"]):
+        return
+    renames = []
+    for position, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in ("--config", "--fit_config"):
+            config = value if equals else (args[position + 1] if position + 1 < len(args) else "")
+            renames += [f"{key} → {moved_key(key)} (in {config})" for key in _moved_config_keys(config)]
+        elif args[0] == "fit" and name.startswith("--") and moved_key(name[2:]):
+            renames.append(f"{name} → --{moved_key(name[2:])}")
+    if renames:
+        raise CommandLineError(
+            f"fit's learning-algorithm settings moved under `algorithm` in 0.1.0: rename {', '.join(renames)}"
+        )
+
+
+def _moved_config_keys(config: str) -> list[str]:
+    """The top-level keys of a fit config (or of its ``fit:`` section) that moved under ``algorithm``."""
+    try:
+        settings = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # not a readable YAML file: jsonargparse reports it
+    if isinstance(settings, dict) and isinstance(settings.get("fit"), dict):
+        settings = settings["fit"]
+    return [key for key in settings if moved_key(str(key))] if isinstance(settings, dict) else []
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:

@@ -110,7 +110,6 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
         out = tmp_path / name
         fit(
             schedule=schedule,
-            context_backward=context,
             updates=3,
             seed=5,
             out_dir=str(out),
@@ -133,7 +132,7 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
             ),
             warm_start=WarmStartSettings(steps=150),  # a policy still exploring: groups with unequal rewards
             model=_float64(),
-            optimizer=_adamw(1e-3),
+            algorithm=_algorithm(1e-3, context),
         )
         state = torch.load(out / "checkpoints" / "update-2" / "state.pt", weights_only=True)["state_dict"]
         theta0, _ = load_tiny_model(out / "policy-0")
@@ -154,17 +153,18 @@ def _float64():
     return ModelSettings(precision="64-true")
 
 
-def _adamw(lr):
+def _algorithm(lr, context_backward="recompute"):
     from tslightning.learner.streaming_module import OptimizerSettings
+    from tslightning.loop.fit import AlgorithmSettings
 
-    return OptimizerSettings(lr=lr)
+    return AlgorithmSettings(optimizer=OptimizerSettings(lr=lr), context_backward=context_backward)
 
 
 def test_boundary_context_backward_needs_thundersync(tmp_path):
     import pytest
 
     with pytest.raises(ValueError, match="context_backward"):
-        _short_fit(tmp_path / "bad", "sync", "--context_backward", "boundary")
+        _short_fit(tmp_path / "bad", "sync", "--algorithm.context_backward", "boundary")
 
 
 def test_teacher_cpus_needs_the_opd_objective(tmp_path):

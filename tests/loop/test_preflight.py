@@ -166,7 +166,14 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys, no_models):
     out = tmp_path / "run"
     previous_run(out)
     args = ["--rollout.prompts_per_update", "-1", "--rollout.task_names", "[no-such-task]", "--updates", "0"]
-    args += ["--optimizer.lr", "0", "--learner.cpus", "[]", "--callbacks", "[lightning.pytorch.callbacks.Timer]"]
+    args += [
+        "--algorithm.optimizer.lr",
+        "0",
+        "--learner.cpus",
+        "[]",
+        "--callbacks",
+        "[lightning.pytorch.callbacks.Timer]",
+    ]
     with pytest.raises(SystemExit):
         cli.main(_fit_args(tmp_path, out, args))
     err = capsys.readouterr().err
@@ -175,7 +182,7 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys, no_models):
         "rollout.prompts_per_update",
         "rollout.task_names",
         "updates must be >= 1",
-        "optimizer.lr must be > 0",
+        "algorithm.optimizer.lr must be > 0",
         "learner.cpus",
         "Timer is a Trainer callback",
         f"out_dir {out} already holds a run",
@@ -293,7 +300,7 @@ def test_a_global_cap_over_spread_groups_needs_a_sample_per_rank():
     spread = LearnerSettings(devices=4, strategy="fsdp", shard_statistics=True)
     (problem,) = spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), spread, 1)
     assert (
-        problem.startswith("group_admission_cap counts GRPO groups over all ranks")
+        problem.startswith("algorithm.group_admission_cap counts GRPO groups over all ranks")
         and "(2) must be >= the 4" in problem
     )
     assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=4), spread, 1) == []

@@ -28,7 +28,8 @@ import transformers
 from tslightning.callbacks.checkpoint_layout import REPLICATED, consolidated_module_state
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, checkpoint_dirs, policy_hash, read_meta
 from tslightning.loop.settings import RolloutSettings
-from tslightning.loop.startup import agent_limits, start_engine, training_tasks
+from tslightning.loop.startup import agent_limits, start_engine
+from tslightning.loop.task_selection import training_tasks
 from tslightning.measure.pass_at_k import PassAtK
 from tslightning.rollout.agent_loop import AgentLoop, PromptTooLong
 from tslightning.rollout.tool_threads import run_with_tool_threads

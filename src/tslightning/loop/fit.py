@@ -33,7 +33,7 @@ from tslightning.core.batch_registry import Objective
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
-from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.learner.streaming_module import Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.batch_replay import RecordedBatches
 from tslightning.loop.preflight import preflight
@@ -42,6 +42,7 @@ from tslightning.loop.run_config import resolved_config
 from tslightning.loop.run_directory import RunDirectory, open_run_directory
 from tslightning.loop.settings import (
     PARTITIONED,
+    AlgorithmSettings,
     CheckpointSettings,
     LoraSettings,
     ModelSettings,
@@ -81,12 +82,7 @@ def fit(
     model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings, never mutated
     rollout: RolloutSettings = RolloutSettings(),  # noqa: B008
     warm_start: WarmStartSettings = WarmStartSettings(),  # noqa: B008
-    optimizer: OptimizerSettings = OptimizerSettings(),  # noqa: B008
-    advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
-    max_grad_norm: float = 1.0,
-    group_admission_cap: int | None = None,
-    sync_micro_batch_size: int = 8,
-    context_backward: Literal["recompute", "boundary"] = "recompute",
+    algorithm: AlgorithmSettings = AlgorithmSettings(),  # noqa: B008
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
@@ -116,14 +112,8 @@ def fit(
         model: The policy and teacher.
         rollout: Rollout pool, tasks and agent limits.
         warm_start: Supervised warm start before RL.
-        optimizer: AdamW settings (Table 5: lr 1e-6; the quickstart uses a larger lr to learn within minutes).
-        advantage: GRPO advantage estimator.
-        max_grad_norm: Global-norm clipping of the batch direction.
-        group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
-        sync_micro_batch_size: ``sync`` (and ``async``) learner: sequences per padded forward, sorted by length.
-        context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
-            runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
-            boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
+        algorithm: The learning algorithm: advantage estimator, clipping, AdamW, and how the learner computes the
+            exact update (group admission cap, context backward, sync micro-batches).
         available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
             table has no entry; on GPUs ``None`` reads Lightning's table.
         checkpoint: When and where checkpoints are written.
@@ -169,7 +159,7 @@ def fit(
         loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
-            *([] if module_clips else [GradientClipping(max_grad_norm)]),
+            *([] if module_clips else [GradientClipping(algorithm.max_grad_norm)]),
             *([publisher] if publisher else []),
             StalenessMonitor(max_policy_lag=lag),
             MFUMonitor(available_flops=available_flops),
@@ -197,13 +187,13 @@ def fit(
             policy,
             objective,
             "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped
-            advantage,
-            max_grad_norm=max_grad_norm if module_clips else None,
-            group_admission_cap=group_admission_cap,
-            sync_micro_batch_size=sync_micro_batch_size,
-            optimizer=optimizer,
+            algorithm.advantage,
+            max_grad_norm=algorithm.max_grad_norm if module_clips else None,
+            group_admission_cap=algorithm.group_admission_cap,
+            sync_micro_batch_size=algorithm.sync_micro_batch_size,
+            optimizer=algorithm.optimizer,
             max_policy_lag=lag,
-            context_backward=context_backward,
+            context_backward=algorithm.context_backward,
             statistics_device=learner.statistics_device,
             shard_statistics=learner.shard_statistics,
             fold_queue_depth=learner.fold_queue_depth,
@@ -336,6 +326,7 @@ def _run_updates(
 
 
 __all__ = [
+    "AlgorithmSettings",
     "CheckpointSettings",
     "FitResult",
     "LoraSettings",
