@@ -17,6 +17,7 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
 from tslightning.commands.plan import plan_report
+from tslightning.commands.policy_comparison import format_comparison
 from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
@@ -64,7 +65,9 @@ def validate(json: bool = False, **options: Any) -> None:
 
     Usage: ``tslightning validate --checkpoint DIR [--tasks DIR] [--split dev] [--attempts 3] [--k '[1,3]']``.
     Runs ``attempts`` independent attempts per task, each in a fresh sandbox with a fresh agent history; an attempt
-    succeeds when the verifier passes every test. Prints per-task n, c and pass@k, then the mean over tasks.
+    succeeds when the verifier passes every test. Prints per-task n, c and pass@k, then the mean over tasks. When
+    ``--checkpoint`` is a ``fit`` run's directory (or one of its checkpoints) and no ``--split`` is given, it prints
+    the run's final policy beside its policy-0 on the train and dev splits instead, with the run's tasks and limits.
     Exits 2 on a bad argument, a checkpoint without a policy, or an unavailable sandbox. The options are those of
     ``tslightning.commands.evaluation.validate`` (jsonargparse follows ``**options`` there).
 
@@ -76,7 +79,10 @@ def validate(json: bool = False, **options: Any) -> None:
     except (ValueError, FileNotFoundError, SandboxUnavailableError) as error:
         print(f"validate: {error}", file=sys.stderr)
         sys.exit(2)
-    print(json_module.dumps(report, indent=2) if json else format_report(report))
+    if json:
+        print(json_module.dumps(report, indent=2))
+    else:
+        print(format_comparison(report) if "rows" in report else format_report(report))
 
 
 def replay(trace: str, warmup: int = 0, json: bool = False) -> None:

@@ -66,7 +66,7 @@ class AttemptRecord:
 def validate(  # the limits default to `fit`'s: training and evaluation share per-attempt limits (Table 6)
     checkpoint: str,
     tasks: str | None = None,
-    split: Literal["train", "dev", "all"] = "dev",
+    split: Literal["train", "dev", "all"] | None = None,
     dev_fraction: float = RolloutSettings.dev_fraction,
     attempts: int = 3,
     k: Sequence[int] = (1, 3),
@@ -82,6 +82,7 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
     dtype: Literal["float32", "bfloat16"] = "float32",
     backend: Backend = "bubblewrap",
     out: str | None = None,
+    task_names: list[str] | None = None,
 ) -> dict:
     """Estimate pass@k of a checkpoint's policy on held-out tasks.
 
@@ -90,7 +91,10 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
             holding one (a ``fit`` output directory: its latest checkpoint, else its ``policy-0``); see
             :func:`resolve_checkpoint`.
         tasks: A task directory or a directory of tasks; ``None`` uses the shipped library.
-        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task.
+        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task. ``None``: when
+            ``checkpoint`` is a ``fit`` run (its directory or one of its checkpoints), the run's final policy beside
+            its policy-0 on the train and dev sides, with the run's tasks and limits
+            (:func:`~tslightning.commands.policy_comparison.compare_policies`); else ``dev``.
         dev_fraction: Development share of the split (use the training run's value).
         attempts: Independent attempts per task, n (App. E.2: 3).
         k: The pass@k to report; each k must be at most ``attempts``.
@@ -106,9 +110,11 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         dtype: Dtype the engine serves the policy in.
         backend: Sandbox backend of the attempts.
         out: Write the report here as JSON.
+        task_names: Evaluate these tasks only (by directory name), of the split's side; ``None``: every task.
 
     Returns:
-        The report: ``pass_at_k`` (``{"pass@k": fraction}``), ``tasks`` (per task ``n``, ``c`` and its pass@k
+        A comparison's report (``rows``, see :func:`~tslightning.commands.policy_comparison.compare_policies`), or
+        the report: ``pass_at_k`` (``{"pass@k": fraction}``), ``tasks`` (per task ``n``, ``c`` and its pass@k
         estimates), ``records`` (one per attempt), ``checkpoint`` (the path evaluated and, for a training
         checkpoint, its seed, update, policy version and hash, publication time and GPU-clock) and ``settings``.
 
@@ -117,12 +123,20 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         FileNotFoundError: If ``checkpoint`` holds no policy.
     """
     ks = _check_arguments(attempts, k, max_concurrent_attempts)
+    if split is None:
+        from tslightning.commands.policy_comparison import compare_policies, fit_run
+
+        run = fit_run(checkpoint)
+        if run is not None:
+            options = {"engine": engine, "seed": seed, "replicas": replicas, "dtype": dtype, "backend": backend}
+            return compare_policies(run, attempts=attempts, k=ks, out=out, **options)
     source = resolve_checkpoint(checkpoint)
     settings = RolloutSettings(
         engine=engine,
         replicas=replicas,
         tasks=tasks,
-        split=split,
+        split=split or "dev",
+        task_names=task_names,
         dev_fraction=dev_fraction,
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -273,8 +287,10 @@ def _report(records: list[AttemptRecord], tasks: list[TerminalTask], ks: tuple[i
         }
         for i, task in enumerate(metric.tasks)
     }
+    fractions = [r.passed_fraction or 0.0 for r in records]
     return {
         "pass_at_k": {name: float(score) for name, score in metric.compute().items()},
+        "mean_passed_fraction": sum(fractions) / len(fractions) if fractions else 0.0,
         "tasks": rows,
         "records": [asdict(record) for record in records],
     }
@@ -329,9 +345,19 @@ def _checkpoint_record(source: Path) -> dict[str, Any]:
 
 
 def _settings(arguments: dict) -> dict:
-    kept = ("tasks", "split", "dev_fraction", "attempts", "engine", "seed", "max_turns", "max_tokens_per_turn")
+    kept = (
+        "tasks",
+        "task_names",
+        "split",
+        "dev_fraction",
+        "attempts",
+        "engine",
+        "seed",
+        "max_turns",
+        "max_tokens_per_turn",
+    )
     kept += ("max_tokens_per_trajectory", "observation_head_tokens", "observation_tail_tokens", "dtype", "backend")
-    return {name: arguments[name] for name in kept} | {"k": list(arguments["ks"])}
+    return {name: arguments[name] for name in kept} | {"k": list(arguments["ks"]), "split": arguments["split"] or "dev"}
 
 
 __all__ = ["AttemptRecord", "export_policy", "format_report", "resolve_checkpoint", "validate"]

@@ -13,11 +13,10 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from tqdm.auto import tqdm
 
@@ -40,6 +39,8 @@ from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
 from tslightning.loop.run_config import resolved_config
 from tslightning.loop.run_directory import RunDirectory, open_run_directory
+from tslightning.loop.run_loggers import DEFAULT_LOGGERS, make_loggers
+from tslightning.loop.run_summary import RunSummary, StepTimes, logger_locations, predicted_speedup
 from tslightning.loop.settings import (
     PARTITIONED,
     AlgorithmSettings,
@@ -88,6 +89,7 @@ def fit(
     resume: str | None = None,
     overwrite: bool = False,
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
+    loggers: list[dict[str, Any]] = list(DEFAULT_LOGGERS),  # noqa: B006, B008 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
     learner: LearnerSettings = LearnerSettings(),  # noqa: B008
@@ -125,6 +127,10 @@ def fit(
             checkpoints, policy) before starting. Without it, a run into a used ``out_dir`` is refused.
         callbacks: Extra callbacks (``class_path``/``init_args`` in configs), run after the built-in ones. The loop is
             Fabric's, so Lightning's Trainer callbacks (ModelCheckpoint, Timer, ThroughputMonitor, ...) are refused.
+        loggers: Where metrics go, as ``class_path``/``init_args`` (LightningCLI's ``trainer.logger`` form): any
+            Lightning logger, e.g. ``WandbLogger`` (``init_args: {offline: true}``) or ``MLFlowLogger`` (a file store
+            under ``out_dir/mlruns`` unless ``tracking_uri`` is given); a logger's ``root_dir``/``save_dir`` defaults
+            to ``out_dir``. Default: CSV and TensorBoard (:mod:`tslightning.loop.run_loggers`).
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
@@ -150,19 +156,20 @@ def fit(
     # A replay starts no engine: nothing serves θ, so nothing publishes it (not a publisher with nobody to talk to).
     publisher = None if replay else WeightPublisher(every_rank=learner.world_size > 1)  # engine: set after launch
     recorder = ReleaseTraceRecorder(out / "trace")  # its datamodule: likewise
+    monitor = MFUMonitor(available_flops=available_flops)  # its step-time breakdown feeds the end-of-run summary
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=learner.devices,
         num_nodes=learner.num_nodes,
         strategy=learner_strategy(learner, accelerator),
         precision=model.precision,
-        loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
+        loggers=make_loggers(loggers, out),
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
             *([] if module_clips else [GradientClipping(algorithm.max_grad_norm)]),
             *([publisher] if publisher else []),
             StalenessMonitor(max_policy_lag=lag),
-            MFUMonitor(available_flops=available_flops),
+            monitor,
             recorder,
             *callbacks,
             *([checkpointer(checkpoint, out, seed, config)] if checkpoint.enabled else []),  # last: saves the others
@@ -201,7 +208,7 @@ def fit(
         fabric_optimizer = _set_up(fabric, module, learner.strategy)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
         batches = out / "batches" if record_batches else None
-        return _run_updates(
+        result = _run_updates(
             fabric,
             module,
             fabric_optimizer,
@@ -214,6 +221,25 @@ def fit(
             staleness_bound,
             batches,
         )
+        if fabric.global_rank == 0:
+            print(_summary(fabric, result, monitor, run, objective, schedule, first, checkpoint).text(), flush=True)
+        return result
+
+
+def _summary(fabric, result, monitor, run: RunDirectory, objective, schedule, first, checkpoint) -> RunSummary:
+    """The end-of-run summary (:mod:`tslightning.loop.run_summary`) of this segment."""
+    checkpoints = Path(checkpoint.dirpath) if checkpoint.dirpath else run.path / "checkpoints"
+    return RunSummary(
+        result,
+        objective,
+        schedule,
+        StepTimes.measured(list(monitor.history)[-len(result.step_seconds) :], result.step_seconds),
+        first_update=first,
+        predicted_speedup=predicted_speedup(run.path / "trace") if (run.path / "trace").is_dir() else None,
+        logs=logger_locations(fabric.loggers),
+        config_file=run.config_file,
+        checkpoints=checkpoints if checkpoint.enabled else None,
+    )
 
 
 def _start_rollout(

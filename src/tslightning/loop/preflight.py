@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tslightning.loop.batch_replay import replay_problems
 from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
+from tslightning.loop.run_loggers import logger_problems
 from tslightning.loop.settings import (
     AlgorithmSettings,
     CheckpointSettings,
@@ -78,6 +80,7 @@ def preflight(
     learner: LearnerSettings,
     record_batches: bool = False,
     replay_batches: str | None = None,
+    loggers: Sequence[Mapping[str, Any]] = (),
     **unchecked: Any,
 ) -> list:
     """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
@@ -106,6 +109,7 @@ def preflight(
     problems += (
         resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
     )
+    problems += logger_problems(loggers, out_dir)
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
     replay, replay_missing = replay_problems(
@@ -121,10 +125,19 @@ def preflight(
     problems += replay
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
+    problems += warm_start_task_problems(rollout, warm_start)
     error = settings_error(problems + tasks.problems, missing + tasks.missing)
     if error is not None:
         raise error
     return tasks.tasks
+
+
+def warm_start_task_problems(rollout: RolloutSettings, warm_start: WarmStartSettings) -> list[str]:
+    """``warm_start.task_names`` that are not loadable tasks of ``rollout.tasks`` (either split)."""
+    if not warm_start.task_names or warm_start.steps == 0:
+        return []
+    selection = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all"))
+    return [p.replace("rollout.task_names", "warm_start.task_names") for p in selection.problems + selection.missing]
 
 
 def callback_problems(callbacks: Sequence[Any]) -> list[str]:

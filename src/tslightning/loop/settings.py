@@ -270,10 +270,16 @@ class WarmStartSettings:
     """AdamW learning rate of the warm start."""
     near_misses: bool = True
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+    task_names: list[str] | None = None
+    """Demonstrate these tasks of ``rollout.tasks`` (by directory name, either side of the split) instead of the
+    training tasks. Held-out tasks named here stand in for what a pretrained policy already knows: RL never trains on
+    them, so ``tslightning validate``'s dev split shows whether what RL learned carries over."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``warm_start.*``) and the fix."""
         problems = _at_least("warm_start", self, ("steps", 0))
+        if self.task_names is not None and not self.task_names:
+            problems.append("warm_start.task_names is empty: name at least one task, or null for the training tasks")
         if not self.lr > 0:
             problems.append(f"warm_start.lr must be > 0; got {self.lr}")
         return problems

@@ -21,6 +21,7 @@ from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
 from tslightning.loop.rollout_servers import replica_server_args, start_vllm_server
 from tslightning.loop.settings import ModelSettings, RolloutSettings
+from tslightning.loop.task_selection import select_tasks
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
@@ -86,6 +87,8 @@ def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path
         return
     policy, tokenizer = load_tiny_model(source)
     loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy.config))
+    if warm_start.task_names is not None:  # checked by preflight (warm_start_tasks)
+        tasks = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all")).tasks
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
     supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
     policy.save_pretrained(policy_dir)
