@@ -48,6 +48,7 @@ SLOW = (
     "tests/test_examples.py",
     "tests/commands/test_bench.py::test_bench_runs",
     "tests/commands/test_evaluation.py::test_trained_checkpoint",
+    "tests/commands/test_evaluation.py::test_a_fit_run_is_compared",
     # Builds: a wheel, Debian roots (mmdebstrap), offline toolchains.
     "tests/test_configs.py::test_a_plain_install",
     "tests/tasks/test_image_lite.py",

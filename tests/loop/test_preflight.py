@@ -325,3 +325,10 @@ def test_several_ranks_may_share_vllm_servers_and_only_sharded_lora_is_refused(s
     assert problems(ModelSettings()) == []  # several learner ranks on the same servers
     lora = problems(ModelSettings(lora=LoraSettings()))
     assert lora == ([] if strategy == "ddp" else [BAD_INPUTS["shared-servers-lora-fsdp"][1]])
+
+
+def test_unknown_warm_start_task_names_are_named_with_their_key(tmp_path, capsys, no_models):
+    with pytest.raises(SystemExit):
+        cli.main(_fit_args(tmp_path, tmp_path / "run", ["--warm_start.task_names", "[count-lines, no-such-task]"]))
+    err = capsys.readouterr().err
+    assert "warm_start.task_names ['no-such-task'] are not tasks in" in err and not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ import tslightning.loop.startup as startup
 from tslightning.loop.settings import ModelSettings, RolloutSettings, WarmStartSettings
 from tslightning.loop.startup import learner_cores, prepare_policy
 from tslightning.loop.task_selection import training_tasks
+from tslightning.tasks.validation import library_dir
 
 
 @pytest.fixture
@@ -159,3 +160,15 @@ def test_the_ray_launcher_serves_the_frozen_teacher_and_stops_it_when_its_check_
     ):
         start()
     assert len(launched) == 2  # refused before anything was launched
+
+
+def test_warm_start_task_names_demonstrate_those_tasks_instead_of_the_training_tasks(tmp_path, monkeypatch):
+    """The quickstart's warm start names held-out tasks too: their demonstrations are fitted, RL never sees them."""
+    fitted = []
+    monkeypatch.setattr(startup, "supervised_warm_start", lambda model, loop, demos, **kw: fitted.extend(demos))
+    rollout = RolloutSettings(task_names=["count-lines"], split="train")
+    warm_start = WarmStartSettings(steps=5, task_names=["count-lines", "compute-checksum"], near_misses=False)
+    rank_zero = SimpleNamespace(global_rank=0)
+    prepare_policy(rank_zero, ModelSettings(), rollout, warm_start, training_tasks(rollout), 3, tmp_path, False)
+    library = {name: (library_dir() / name / "instruction.md").read_text().strip() for name in warm_start.task_names}
+    assert sorted(demo.instruction for demo in fitted) == sorted(library.values())  # compute-checksum is a dev task

@@ -9,13 +9,14 @@ run's logs stay with its checkpoints and ``--overwrite`` removes them with the r
 
 ``fit`` takes the specs as plain mappings (``{"class_path": ..., "init_args": {...}}``), not instances: the resolved
 config records each logger exactly as given, and the loggers are built only after every check passed
-(:func:`logger_problems` builds them once to check, which writes nothing: Lightning's loggers open their files and
-runs at the first metric).
+(:func:`logger_problems` checks the class, its arguments and its package without building anything: MLflow's
+logger, for one, opens its store when built).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ from lightning.fabric.loggers import Logger
 _SEARCHED = ("lightning.fabric.loggers", "lightning.pytorch.loggers")
 """Where a bare class name (``WandbLogger``) is looked up, in order."""
 
-_EXTRAS = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow", "CometLogger": "comet", "NeptuneLogger": "neptune"}
-"""The tslightning extra (or package) a logger needs."""
+_PACKAGES = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow", "CometLogger": "comet_ml", "NeptuneLogger": "neptune"}
+"""The package (import name) a logger needs; tslightning has a ``wandb`` and an ``mlflow`` extra."""
 
 
 @dataclass
@@ -72,39 +73,51 @@ def make_loggers(specs: Sequence[Mapping[str, Any]], out_dir: str | Path) -> lis
     Raises:
         ValueError: naming every logger that cannot be built and why (see :func:`logger_problems`).
     """
-    loggers, problems = _build(specs, Path(out_dir))
+    problems = logger_problems(specs, out_dir)
     if problems:
         raise ValueError("; ".join(problems))
+    loggers = []
+    for index, given in enumerate(specs):
+        spec = LoggerSpec.parse(given, index)
+        cls = logger_class(spec.class_path)
+        try:
+            loggers.append(cls(**_with_directory(cls, spec.init_args, Path(out_dir))))
+        except Exception as error:  # the logger's own refusal (e.g. MLflow's store), named like the checks
+            raise ValueError(f"loggers[{index}] {spec.class_path}: {type(error).__name__}: {error}") from error
     return loggers
 
 
 def logger_problems(specs: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[str]:
-    """Each logger that cannot be built — unknown class, not a Lightning logger, wrong arguments, its package
-    missing — one line each, naming ``loggers[i]`` and the fix."""
-    return _build(specs, Path(out_dir))[1]
-
-
-def _build(specs: Sequence[Mapping[str, Any]], out_dir: Path) -> tuple[list[Logger], list[str]]:
-    loggers, problems = [], []
+    """Each logger that cannot be built — unknown class, not a Lightning logger, arguments its constructor does not
+    take, its package missing — one line each, naming ``loggers[i]`` and the fix. Builds nothing."""
+    problems = []
     for index, given in enumerate(specs):
         try:
             spec = LoggerSpec.parse(given, index)
         except ValueError as error:
             problems.append(str(error))
             continue
-        key = f"loggers[{index}] {spec.class_path}"
-        try:
-            cls = logger_class(spec.class_path)
-            loggers.append(cls(**_with_directory(cls, spec.init_args, out_dir)))
-        except (ImportError, ModuleNotFoundError) as error:
-            extra = _EXTRAS.get(spec.class_path.rsplit(".", 1)[-1])
-            fix = f"pip install 'tslightning[{extra}]'" if extra else "install its package"
-            problems.append(f"{key}: {error}; {fix}")
-        except (TypeError, ValueError, AttributeError) as error:
-            problems.append(f"{key}: {' '.join(str(error).split())}")
-        except Exception as error:  # a logger's own refusal (e.g. Lightning's MisconfigurationException)
-            problems.append(f"{key}: {type(error).__name__}: {' '.join(str(error).split())}")
-    return loggers, problems
+        problem = _spec_problem(spec, Path(out_dir))
+        if problem is not None:
+            problems.append(f"loggers[{index}] {spec.class_path}: {problem}")
+    return problems
+
+
+def _spec_problem(spec: LoggerSpec, out_dir: Path) -> str | None:
+    try:
+        cls = logger_class(spec.class_path)
+    except ImportError as error:
+        return f"{error}; install its package"
+    except ValueError as error:
+        return str(error)
+    package = _PACKAGES.get(cls.__name__)
+    if package is not None and importlib.util.find_spec(package) is None:
+        return f"needs the {package} package: pip install 'tslightning[{package}]'"
+    try:
+        inspect.signature(cls).bind(**_with_directory(cls, spec.init_args, out_dir))
+    except TypeError as error:
+        return f"{error} (init_args are {cls.__name__}'s constructor arguments)"
+    return None
 
 
 def logger_class(class_path: str) -> type[Logger]:
