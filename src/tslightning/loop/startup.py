@@ -90,7 +90,9 @@ def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path
     if warm_start.task_names is not None:  # checked by preflight (warm_start_tasks)
         tasks = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all")).tasks
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
-    supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
+    supervised_warm_start(
+        policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed, lr_schedule=warm_start.lr_schedule
+    )
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
 
