@@ -203,7 +203,7 @@ def _curve(values: Sequence[float], shown: int = 12) -> str:
     if len(values) <= shown:
         return " ".join(f"{v:.2f}" for v in values)
     picks = [round(i * (len(values) - 1) / (shown - 1)) for i in range(shown)]
-    return " ".join(f"{values[i]:.2f}" for i in picks) + f" (every ~{len(values) / shown:.0f}th)"
+    return " ".join(f"{values[i]:.2f}" for i in picks) + f" ({shown} of {len(values)}, evenly spaced)"
 
 
 def _duration(seconds: float) -> str:
