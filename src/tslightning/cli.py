@@ -15,9 +15,9 @@ import yaml
 from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper, set_parsing_settings
 
 from tslightning.commands.evaluation import format_report
-from tslightning.commands.evaluation import validate as run_validation
 from tslightning.commands.plan import plan_report
 from tslightning.commands.policy_comparison import format_comparison
+from tslightning.commands.policy_comparison import validate_or_compare as run_validation
 from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification

@@ -57,6 +57,7 @@ def test_wandb_offline_receives_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     (logger,) = make_loggers([{"class_path": "WandbLogger", "init_args": {"offline": True}}], tmp_path)
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    fabric.launch()  # rank 0 of one: the logger's rank_zero_only methods log (an earlier test may have left another)
     for step, reward in enumerate([0.25, 0.5, 0.75]):
         fabric.log_dict({"train/mean_reward": reward}, step=step)
     run_dir = logger.experiment.dir

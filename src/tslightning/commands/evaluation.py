@@ -91,10 +91,9 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
             holding one (a ``fit`` output directory: its latest checkpoint, else its ``policy-0``); see
             :func:`resolve_checkpoint`.
         tasks: A task directory or a directory of tasks; ``None`` uses the shipped library.
-        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task. ``None``: when
-            ``checkpoint`` is a ``fit`` run (its directory or one of its checkpoints), the run's final policy beside
-            its policy-0 on the train and dev sides, with the run's tasks and limits
-            (:func:`~tslightning.commands.policy_comparison.compare_policies`); else ``dev``.
+        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task; ``None``: ``dev``
+            (the ``tslightning validate`` command then compares a ``fit`` run's final policy with its policy-0 on
+            both sides: :func:`~tslightning.commands.policy_comparison.validate_or_compare`).
         dev_fraction: Development share of the split (use the training run's value).
         attempts: Independent attempts per task, n (App. E.2: 3).
         k: The pass@k to report; each k must be at most ``attempts``.
@@ -113,8 +112,7 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         task_names: Evaluate these tasks only (by directory name), of the split's side; ``None``: every task.
 
     Returns:
-        A comparison's report (``rows``, see :func:`~tslightning.commands.policy_comparison.compare_policies`), or
-        the report: ``pass_at_k`` (``{"pass@k": fraction}``), ``tasks`` (per task ``n``, ``c`` and its pass@k
+        The report: ``pass_at_k`` (``{"pass@k": fraction}``), ``tasks`` (per task ``n``, ``c`` and its pass@k
         estimates), ``records`` (one per attempt), ``checkpoint`` (the path evaluated and, for a training
         checkpoint, its seed, update, policy version and hash, publication time and GPU-clock) and ``settings``.
 
@@ -123,13 +121,6 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         FileNotFoundError: If ``checkpoint`` holds no policy.
     """
     ks = _check_arguments(attempts, k, max_concurrent_attempts)
-    if split is None:
-        from tslightning.commands.policy_comparison import compare_policies, fit_run
-
-        run = fit_run(checkpoint)
-        if run is not None:
-            options = {"engine": engine, "seed": seed, "replicas": replicas, "dtype": dtype, "backend": backend}
-            return compare_policies(run, attempts=attempts, k=ks, out=out, **options)
     source = resolve_checkpoint(checkpoint)
     settings = RolloutSettings(
         engine=engine,

@@ -10,6 +10,7 @@ passes do.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,22 @@ def fit_run(checkpoint: str | Path) -> FitRun | None:
             config = yaml.safe_load((out_dir / "config.yaml").read_text()) or {}
             return FitRun(out_dir, config, out_dir / "policy-0", final)
     return None
+
+
+@functools.wraps(validate)  # its signature and docstring: the command's options are validate's
+def validate_or_compare(**options: Any) -> dict:
+    """``tslightning validate``: with no ``split`` on a ``fit`` run (its directory or one of its checkpoints),
+    :func:`compare_policies` with the run's tasks and limits; else :func:`~tslightning.commands.evaluation.validate`
+    (``split`` ``None`` meaning ``dev``). Takes ``validate``'s arguments."""
+    run = fit_run(options["checkpoint"]) if options.get("split") is None else None
+    if run is None:
+        return validate(**options)
+    compared = {key: options[key] for key in _COMPARED if key in options}
+    return compare_policies(run, **compared)
+
+
+_COMPARED = ("attempts", "k", "engine", "seed", "replicas", "dtype", "backend", "out")
+"""``validate`` arguments a comparison passes on (tasks, split and limits come from the run's config)."""
 
 
 def compare_policies(
