@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 import yaml
 
 from tslightning.loop.settings import RolloutSettings
-from tslightning.loop.startup import rollout_datamodule, start_engine, training_tasks
+from tslightning.loop.startup import rollout_datamodule, start_engine
+from tslightning.loop.task_selection import training_tasks
 from tslightning.models.tiny_model import TinyModelConfig, load_tiny_model, save_tiny_model
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 

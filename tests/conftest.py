@@ -20,6 +20,59 @@ pytest.register_assert_rewrite(
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+SLOW = (
+    # vLLM engines and servers, Ray, server-backed teachers: each starts processes and loads vLLM (20-120 s a test).
+    "tests/rollout/test_vllm_",
+    "tests/rollout/test_replica_launcher.py",
+    "tests/rollout/test_replica_server.py",
+    "tests/rollout/test_teacher_server.py",
+    "tests/rollout/test_end_to_end.py",
+    "tests/loop/test_rollout_servers.py",
+    "tests/loop/test_startup.py::test_the_ray_launcher",
+    # Learner ranks launched as subprocesses (gloo), kill/resume across processes.
+    "tests/distributed/test_multirank.py",
+    "tests/distributed/test_sharded_resume.py",
+    "tests/distributed/test_kill_resume.py",
+    "tests/distributed/test_statistics_shards.py",
+    "tests/distributed/test_collectives.py",
+    "tests/distributed/test_learner_strategy.py::test_fit_takes_checkpoints",
+    # Whole `fit` runs (warm start, rollout replica, several updates) and the examples.
+    "tests/loop/test_fit.py::test_quickstart_fit_runs_end_to_end",
+    "tests/loop/test_fit.py::test_async",
+    "tests/loop/test_fit.py::test_fully_async",
+    "tests/loop/test_fit.py::test_sync_and_thundersync",
+    "tests/loop/test_fit.py::test_the_saved_config",
+    "tests/loop/test_fit.py::test_environment_prefetch",
+    "tests/loop/test_resume.py::test_kill_resume",
+    "tests/loop/test_batch_replay.py::test_a_replay_on",
+    "tests/test_examples.py",
+    "tests/commands/test_bench.py::test_bench_runs",
+    "tests/commands/test_evaluation.py::test_trained_checkpoint",
+    "tests/commands/test_evaluation.py::test_a_fit_run_is_compared",
+    # Float64 boundary-adjoint exactness over many shapes, seeds and estimators: 265 s for the first alone under a
+    # load average of 9 (2026-12-06); the recompute-path exactness (test_streaming_exactness.py) stays fast.
+    "tests/learner/test_boundary_adjoint.py::test_grpo_shared_prefix_equals_recompute_float64",
+    "tests/learner/test_boundary_adjoint.py::test_opd_turn_boundaries_equal_recompute_float64",
+    "tests/learner/test_streaming_boundary_exactness.py::test_grpo_boundary_module_equals_sync_float64",
+    "tests/learner/test_streaming_boundary_exactness.py::test_opd_boundary_module_equals_sync_float64",
+    "tests/callbacks/test_weight_publisher.py::test_hf_engine_serves_the_updated_policy",  # 17 s: a replica process
+    # Builds: a wheel, Debian roots (mmdebstrap), offline toolchains.
+    "tests/test_configs.py::test_a_plain_install",
+    "tests/tasks/test_image_lite.py",
+    "tests/tasks/test_image_user.py",
+    "tests/tasks/test_build_network.py",
+    "tests/tasks/test_offline_toolchain.py",
+)
+"""Tests of the slow tier (node-id prefixes): CI runs every test (``pytest -m "slow or not slow"``, the README's
+command); plain ``pytest`` skips these. Chosen by measured duration: a test of several seconds that starts servers,
+Ray, vLLM, learner ranks, a whole ``fit`` or a build. Mark a new test of that kind here (or ``@pytest.mark.slow``)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

@@ -90,3 +90,20 @@ def test_a_plain_install_ships_the_configs_and_resolves_them_by_name(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(str(tmp_path / "installed")) and "updates: 30" in done.stdout
+
+
+def test_a_config_or_flag_of_a_moved_key_names_its_new_key_in_one_line(tmp_path, capsys):
+    """0.1.0 moved fit's learning-algorithm settings under ``algorithm``: an old config or flag is refused with the
+    rename, before anything is written."""
+    old = tmp_path / "old.yaml"
+    old.write_text("updates: 2\nadvantage: rloo\noptimizer:\n  lr: 0.001\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(old), "--max_grad_norm", "2", "--out_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert f"advantage → algorithm.advantage (in {old})" in err and f"optimizer → algorithm.optimizer (in {old})" in err
+    assert "--max_grad_norm → --algorithm.max_grad_norm" in err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--config", str(old)])
+    assert "optimizer → algorithm.optimizer" in capsys.readouterr().err

@@ -15,14 +15,15 @@ import yaml
 from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper, set_parsing_settings
 
 from tslightning.commands.evaluation import format_report
-from tslightning.commands.evaluation import validate as run_validation
+from tslightning.commands.policy_comparison import format_comparison
+from tslightning.commands.policy_comparison import validate_or_compare as run_validation
 from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import fit
 from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.run_config import yaml_text
-from tslightning.loop.settings import SettingsError
+from tslightning.loop.settings import SettingsError, moved_key
 from tslightning.measure.analytical_model import SpeedupModelParameters
 from tslightning.measure.memory_plan import plan_report
 from tslightning.sandbox import SandboxUnavailableError
@@ -63,7 +64,9 @@ def validate(json: bool = False, **options: Any) -> None:
 
     Usage: ``tslightning validate --checkpoint DIR [--tasks DIR] [--split dev] [--attempts 3] [--k '[1,3]']``.
     Runs ``attempts`` independent attempts per task, each in a fresh sandbox with a fresh agent history; an attempt
-    succeeds when the verifier passes every test. Prints per-task n, c and pass@k, then the mean over tasks.
+    succeeds when the verifier passes every test. Prints per-task n, c and pass@k, then the mean over tasks. When
+    ``--checkpoint`` is a ``fit`` run's directory (or one of its checkpoints) and no ``--split`` is given, it prints
+    the run's final policy beside its policy-0 on the train and dev splits instead, with the run's tasks and limits.
     Exits 2 on a bad argument, a checkpoint without a policy, or an unavailable sandbox. The options are those of
     ``tslightning.commands.evaluation.validate`` (jsonargparse follows ``**options`` there).
 
@@ -75,7 +78,10 @@ def validate(json: bool = False, **options: Any) -> None:
     except (ValueError, FileNotFoundError, SandboxUnavailableError) as error:
         print(f"validate: {error}", file=sys.stderr)
         sys.exit(2)
-    print(json_module.dumps(report, indent=2) if json else format_report(report))
+    if json:
+        print(json_module.dumps(report, indent=2))
+    else:
+        print(format_comparison(report) if "rows" in report else format_report(report))
 
 
 def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
@@ -240,10 +246,10 @@ def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str 
     config = policy_config(arguments["model"], model_config)
     learner = arguments["learner"]
     available = None if gpu_memory_gb is None else int(gpu_memory_gb * 2**30)
+    algorithm = arguments["algorithm"]
     planned = planned_memory(
         config, arguments["objective"], arguments["schedule"], arguments["model"], arguments["rollout"], learner,
-        arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
-        arguments["optimizer"].state_dtype,
+        algorithm.group_admission_cap, algorithm.sync_micro_batch_size, available, algorithm.optimizer.state_dtype,
     )  # fmt: skip
     print(plan_report(planned.plan, planned.shape, gpu_memory_gb, learner.activation_checkpointing))
 
@@ -313,6 +319,7 @@ def _run(args: list[str]) -> None:
     args = _expand_bare_flags(
         _shipped_config_paths(_bench_fit_config(_config_after_command(_positional_task_dir(args))))
     )
+    _refuse_moved_keys(args)
     cli = parser()
     config = cli.parse_args(args)
     try:
@@ -325,6 +332,36 @@ def _run(args: list[str]) -> None:
     arguments.pop("config", None)
     arguments.pop("subcommand", None)
     command(**arguments)
+
+
+def _refuse_moved_keys(args: list[str]) -> None:
+    """A ``fit`` key that moved (``--max_grad_norm``, a config's ``optimizer:``), named in one line with its new key,
+    before jsonargparse reports it as merely unknown. Configs are checked for ``fit``, ``plan`` and ``bench``."""
+    if args[:1] not in (["fit"], ["plan"], ["bench"]):
+        return
+    renames = []
+    for position, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in ("--config", "--fit_config"):
+            config = value if equals else (args[position + 1] if position + 1 < len(args) else "")
+            renames += [f"{key} → {moved_key(key)} (in {config})" for key in _moved_config_keys(config)]
+        elif args[0] == "fit" and name.startswith("--") and moved_key(name[2:]):
+            renames.append(f"{name} → --{moved_key(name[2:])}")
+    if renames:
+        raise CommandLineError(
+            f"fit's learning-algorithm settings moved under `algorithm` in 0.1.0: rename {', '.join(renames)}"
+        )
+
+
+def _moved_config_keys(config: str) -> list[str]:
+    """The top-level keys of a fit config (or of its ``fit:`` section) that moved under ``algorithm``."""
+    try:
+        settings = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError):
+        return []  # not a readable YAML file: jsonargparse reports it
+    if isinstance(settings, dict) and isinstance(settings.get("fit"), dict):
+        settings = settings["fit"]
+    return [key for key in settings if moved_key(str(key))] if isinstance(settings, dict) else []
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:

@@ -17,11 +17,13 @@ import lightning as L
 import pytest
 import torch
 import transformers
+import yaml
 
 from tslightning import cli
 from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.callbacks.weight_publisher import publishable_state_dict
 from tslightning.commands.evaluation import export_policy, resolve_checkpoint, validate
+from tslightning.commands.policy_comparison import format_comparison
 from tslightning.learner.streaming_module import StreamingPolicyModule
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
@@ -80,6 +82,33 @@ def test_trained_checkpoint_solves_tasks_the_initial_policy_cannot(run_dir, tmp_
     assert all(row["c"] == 0 for row in cold["tasks"].values()) and cold["pass_at_k"]["pass@3"] == 0.0
     # The untouched environment earns partial verifier credit (p = 0.25) but never counts as solved.
     assert any(0 < (r["passed_fraction"] or 0) < 1 for r in cold["records"])
+
+
+def test_a_fit_run_is_compared_with_its_policy_0_on_the_train_and_dev_splits(run_dir, tmp_path, capsys):
+    """No --split on a fit run: the final policy beside policy-0, train side = the run's training tasks, dev side =
+    the held-out ones, with the run's own task directory, split and limits (from its config.yaml)."""
+    tasks, run = run_dir
+    rollout = {"tasks": str(tasks), "task_names": ["sed-replace-text"], "split": "train", "dev_fraction": 0.5}
+    (run / "config.yaml").write_text(yaml.safe_dump({"rollout": rollout | LIMITS}))  # count-lines is dev at 0.5
+    try:
+        cli.main(["validate", "--checkpoint", str(run), "--attempts", "2", "--k", "[1,2]", "--json"])
+    finally:
+        (run / "config.yaml").unlink()
+    report = json.loads(capsys.readouterr().out)
+    rows = [(row["split"], row["policy"], list(row["per_task"])) for row in report["rows"]]
+    assert rows == [
+        ("train", "policy-0", ["sed-replace-text"]),
+        ("train", "update-2", ["sed-replace-text"]),
+        ("dev", "policy-0", ["count-lines"]),
+        ("dev", "update-2", ["count-lines"]),
+    ]
+    initial = [row for row in report["rows"] if row["policy"] == "policy-0"]
+    final = [row for row in report["rows"] if row["policy"] == "update-2"]
+    assert all(row["pass_at_k"]["pass@2"] == 0.0 for row in initial)  # the untrained policy never acts
+    assert sum(row["pass_at_k"]["pass@2"] for row in final) > 0
+    table = format_comparison(report)
+    assert "policy-0 (before RL) against the final policy, 2 attempts per task" in table
+    assert table.splitlines()[-1].startswith("dev        1  update-2")
 
 
 @pytest.mark.parametrize("lora", [None, {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}])

@@ -62,9 +62,10 @@ def sync_replay_of_every_rank(
     policy, _ = load_tiny_model(out / "policy-0")
     policy = policy.to(dtype)
     initial = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
-    settings = OptimizerSettings(**{**config["optimizer"], "betas": tuple(config["optimizer"]["betas"])})
+    algorithm = config["algorithm"]
+    settings = OptimizerSettings(**{**algorithm["optimizer"], "betas": tuple(algorithm["optimizer"]["betas"])})
     module = StreamingPolicyModule(
-        policy, config["objective"], "sync", max_grad_norm=config["max_grad_norm"], optimizer=settings
+        policy, config["objective"], "sync", max_grad_norm=algorithm["max_grad_norm"], optimizer=settings
     )
     optimizer = module.configure_optimizers()
     for update in range(updates):

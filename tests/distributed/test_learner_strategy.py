@@ -73,14 +73,14 @@ def test_fit_takes_checkpoints_and_resume_of_partitioned_state(strategy):
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_3", "fsdp"])
 def test_fit_refuses_boundary_context_backward_with_sharded_parameters(tmp_path, strategy):
-    from tslightning.loop.fit import CheckpointSettings
+    from tslightning.loop.fit import AlgorithmSettings, CheckpointSettings
 
     with pytest.raises(ValueError, match="serves sources in lock-step, one policy pass each"):
         fit(
             out_dir=str(tmp_path / "run"),
             learner=LearnerSettings(devices=2, strategy=strategy),
             checkpoint=CheckpointSettings(enabled=False),
-            context_backward="boundary",
+            algorithm=AlgorithmSettings(context_backward="boundary"),
             progress=False,
         )
     assert not (tmp_path / "run").exists()

@@ -223,7 +223,7 @@ def test_fit_with_sharded_statistics_spreads_every_group_over_both_ranks(tmp_pat
     out = tmp_path / "run"
     run_fit(
         out, "--learner.devices", "2", "--learner.strategy", "fsdp", "--learner.shard_statistics", "true",
-        "--group_admission_cap", "1", "--checkpoint.enabled", "false", "--updates", "2",
+        "--algorithm.group_admission_cap", "1", "--checkpoint.enabled", "false", "--updates", "2",
     )  # fmt: skip
     assert len(json.loads((out / "rewards.json").read_text())["mean_rewards"]) == 2
     shares = []

@@ -5,38 +5,55 @@ from __future__ import annotations
 import json
 
 import yaml
+from wandb_offline import history
 
 from tslightning import cli
 
 
-def test_quickstart_fit_runs_end_to_end(tmp_path):
+def test_quickstart_fit_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """The quickstart, shortened, with a W&B logger beside CSV and TensorBoard (offline: nothing leaves the machine);
+    it ends with the summary: reward, step times, where everything went and the next commands."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    cli.main(
-        [
-            "fit",
-            "--config",
-            "configs/quickstart.yaml",
-            "--updates",
-            "2",
-            "--warm_start.steps",
-            "150",
-            "--rollout.prompts_per_update",
-            "2",
-            "--out_dir",
-            str(out),
-            "--progress",
-            "false",
-        ]
-    )
+    loggers = "[{class_path: CSVLogger, init_args: {name: csv}}, {class_path: TensorBoardLogger}, "
+    loggers += "{class_path: WandbLogger, init_args: {offline: true, project: quickstart}}]"
+    small = ["--updates", "2", "--warm_start.steps", "150", "--rollout.prompts_per_update", "2"]
+    cli.main(["fit", "--config", "configs/quickstart.yaml", *small, "--out_dir", str(out), "--progress", "false"]
+             + ["--loggers", loggers])  # fmt: skip
     rewards = json.loads((out / "rewards.json").read_text())
     assert len(rewards["mean_rewards"]) == 2 and all(0.0 <= r <= 1.5 for r in rewards["mean_rewards"])
+    assert len(rewards["direction_norms"]) == 2
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["schedule"] == "thundersync" and config["rollout"]["prompts_per_update"] == 2
+    assert config["loggers"][2] == {
+        "class_path": "WandbLogger",
+        "init_args": {"offline": True, "project": "quickstart"},
+    }
     metrics = list((out / "csv").rglob("metrics.csv"))
     assert metrics and "train/mean_reward" in metrics[0].read_text()
-    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((out / "lightning_logs").rglob("events.out.tfevents.*"))  # TensorBoard's default name, in out_dir
     trace = list((out / "trace").rglob("*.jsonl"))
     assert trace and trace[0].read_text().strip()
+    _finish_wandb()
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    assert history(run_file, "train/mean_reward") == list(enumerate(rewards["mean_rewards"]))
+    printed = capsys.readouterr().out
+    first = f"{rewards['mean_rewards'][0]:.3f} (first 2) → {rewards['mean_rewards'][1]:.3f} (last 2)"
+    assert "tslightning fit: grpo (thundersync), updates 0-1" in printed and first in printed
+    assert "step time" in printed and f"{out}/checkpoints/ (latest update-1)" in printed
+    assert f"W&B (offline)   {out / 'wandb'}" in printed and str(metrics[0]) in printed
+    assert (
+        f"tslightning validate --checkpoint {out}" in printed and f"tslightning replay --trace {out}/trace" in printed
+    )
+    assert f"--resume {out}/checkpoints/update-1 --updates 12" in printed
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run (Lightning leaves that to the process's exit), so its files are complete."""
+    import wandb
+
+    wandb.finish()
 
 
 def _lags(out):
@@ -110,7 +127,6 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
         out = tmp_path / name
         fit(
             schedule=schedule,
-            context_backward=context,
             updates=3,
             seed=5,
             out_dir=str(out),
@@ -133,7 +149,7 @@ def test_sync_and_thundersync_fits_reach_the_same_parameters_float64(tmp_path):
             ),
             warm_start=WarmStartSettings(steps=150),  # a policy still exploring: groups with unequal rewards
             model=_float64(),
-            optimizer=_adamw(1e-3),
+            algorithm=_algorithm(1e-3, context),
         )
         state = torch.load(out / "checkpoints" / "update-2" / "state.pt", weights_only=True)["state_dict"]
         theta0, _ = load_tiny_model(out / "policy-0")
@@ -154,17 +170,18 @@ def _float64():
     return ModelSettings(precision="64-true")
 
 
-def _adamw(lr):
+def _algorithm(lr, context_backward="recompute"):
     from tslightning.learner.streaming_module import OptimizerSettings
+    from tslightning.loop.fit import AlgorithmSettings
 
-    return OptimizerSettings(lr=lr)
+    return AlgorithmSettings(optimizer=OptimizerSettings(lr=lr), context_backward=context_backward)
 
 
 def test_boundary_context_backward_needs_thundersync(tmp_path):
     import pytest
 
     with pytest.raises(ValueError, match="context_backward"):
-        _short_fit(tmp_path / "bad", "sync", "--context_backward", "boundary")
+        _short_fit(tmp_path / "bad", "sync", "--algorithm.context_backward", "boundary")
 
 
 def test_teacher_cpus_needs_the_opd_objective(tmp_path):

@@ -171,7 +171,14 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys, no_models):
     out = tmp_path / "run"
     previous_run(out)
     args = ["--rollout.prompts_per_update", "-1", "--rollout.task_names", "[no-such-task]", "--updates", "0"]
-    args += ["--optimizer.lr", "0", "--learner.cpus", "[]", "--callbacks", "[lightning.pytorch.callbacks.Timer]"]
+    args += [
+        "--algorithm.optimizer.lr",
+        "0",
+        "--learner.cpus",
+        "[]",
+        "--callbacks",
+        "[lightning.pytorch.callbacks.Timer]",
+    ]
     with pytest.raises(SystemExit):
         cli.main(_fit_args(tmp_path, out, args))
     err = capsys.readouterr().err
@@ -180,7 +187,7 @@ def test_every_problem_is_reported_at_once(tmp_path, capsys, no_models):
         "rollout.prompts_per_update",
         "rollout.task_names",
         "updates must be >= 1",
-        "optimizer.lr must be > 0",
+        "algorithm.optimizer.lr must be > 0",
         "learner.cpus",
         "Timer is a Trainer callback",
         f"out_dir {out} already holds a run",
@@ -319,7 +326,7 @@ def test_a_global_cap_over_spread_groups_needs_a_sample_per_rank():
     spread = LearnerSettings(devices=4, strategy="fsdp", shard_statistics=True)
     (problem,) = spread_group_problems("grpo", RolloutSettings(samples_per_prompt=2), spread, 1)
     assert (
-        problem.startswith("group_admission_cap counts GRPO groups over all ranks")
+        problem.startswith("algorithm.group_admission_cap counts GRPO groups over all ranks")
         and "(2) must be >= the 4" in problem
     )
     assert spread_group_problems("grpo", RolloutSettings(samples_per_prompt=4), spread, 1) == []
@@ -354,8 +361,7 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
     from types import SimpleNamespace
 
     from tslightning.distributed.learner_strategy import LearnerSettings
-    from tslightning.learner.settings import OptimizerSettings
-    from tslightning.loop.settings import ModelSettings, RolloutSettings
+    from tslightning.loop.settings import AlgorithmSettings, ModelSettings, RolloutSettings
 
     arguments = {
         "learner": LearnerSettings(),
@@ -363,9 +369,7 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
         "rollout": RolloutSettings(prompts_per_update=4, max_context_tokens=256),
         "objective": "grpo",
         "schedule": "thundersync",
-        "group_admission_cap": 4,
-        "sync_micro_batch_size": 8,
-        "optimizer": OptimizerSettings(),
+        "algorithm": AlgorithmSettings(group_admission_cap=4),
     }
     fit_module = importlib.import_module("tslightning.loop.fit")  # the module, not the fit function it exports
     fabric = SimpleNamespace(device=torch.device("cuda", 0))
@@ -378,3 +382,10 @@ def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatc
             assert fit_module._statistics_device(fabric, arguments) == expected
         assert f"statistics on the {expected}" in caplog.text and "device peak" in caplog.text
     assert fit_module._statistics_device(SimpleNamespace(device=torch.device("cpu")), arguments) == "host"
+
+
+def test_unknown_warm_start_task_names_are_named_with_their_key(tmp_path, capsys, no_models):
+    with pytest.raises(SystemExit):
+        cli.main(_fit_args(tmp_path, tmp_path / "run", ["--warm_start.task_names", "[count-lines, no-such-task]"]))
+    err = capsys.readouterr().err
+    assert "warm_start.task_names ['no-such-task'] are not tasks in" in err and not (tmp_path / "run").exists()

@@ -18,7 +18,7 @@ from tslightning.core.batch_registry import BatchPlan
 from tslightning.core.sources import TrajectorySource
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.streaming_module import OptimizerSettings
-from tslightning.loop.fit import CheckpointSettings, RolloutSettings, WarmStartSettings, fit
+from tslightning.loop.fit import AlgorithmSettings, CheckpointSettings, RolloutSettings, WarmStartSettings, fit
 from tslightning.loop.settings import InvalidSettingsError
 
 fit_module = importlib.import_module("tslightning.loop.fit")  # the module; the package's `fit` is the function
@@ -42,7 +42,7 @@ def run(out: Path, **overrides):
         out_dir=str(out),
         rollout=rollout,
         warm_start=WarmStartSettings(steps=100),
-        optimizer=OptimizerSettings(lr=3e-4),
+        algorithm=AlgorithmSettings(optimizer=OptimizerSettings(lr=3e-4)),
         available_flops=1e11,
         progress=False,
     )

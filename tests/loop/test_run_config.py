@@ -12,7 +12,7 @@ import pytest
 from tslightning import cli
 from tslightning.callbacks import MFUMonitor, StalenessMonitor
 from tslightning.learner.settings import OptimizerSettings
-from tslightning.loop.fit import LoraSettings, ModelSettings, RolloutSettings, fit
+from tslightning.loop.fit import AlgorithmSettings, LoraSettings, ModelSettings, RolloutSettings, fit
 from tslightning.loop.run_config import callback_spec, config_yaml, plain, resolved_config, yaml_text
 
 
@@ -27,7 +27,7 @@ def test_saved_config_reads_back_to_the_same_settings(tmp_path):
         updates=3,
         model=ModelSettings(lora=LoraSettings(r=8, alpha=16)),
         rollout=RolloutSettings(prompts_per_update=2, task_names=["count-lines"], cpus=[0]),
-        optimizer=OptimizerSettings(lr=3e-4, betas=(0.8, 0.99)),
+        algorithm=AlgorithmSettings(optimizer=OptimizerSettings(lr=3e-4, betas=(0.8, 0.99)), max_grad_norm=2.0),
         callbacks=[StalenessMonitor(max_policy_lag=2), MFUMonitor(available_flops=1e11, window=4)],
         overwrite=True,
         out_dir=str(tmp_path / "run"),
@@ -36,7 +36,7 @@ def test_saved_config_reads_back_to_the_same_settings(tmp_path):
     json.dumps(config)  # plain data: it also goes into every checkpoint's meta.json
     assert list(config) == list(inspect.signature(fit).parameters)
     assert config["overwrite"] is False  # re-running a saved config never replaces the run it came from
-    assert config["optimizer"]["betas"] == [0.8, 0.99]
+    assert config["algorithm"]["optimizer"]["betas"] == [0.8, 0.99]
     assert config["callbacks"][0] == {
         "class_path": "tslightning.callbacks.staleness_monitor.StalenessMonitor",
         "init_args": {"max_policy_lag": 2},
@@ -49,7 +49,7 @@ def test_saved_config_reads_back_to_the_same_settings(tmp_path):
     settings = parser.instantiate(parser.parse_args(["fit", "--config", str(saved)])).fit
     assert settings.updates == 3 and settings.out_dir == str(tmp_path / "run") and settings.overwrite is False
     assert settings.model == arguments["model"] and settings.rollout == arguments["rollout"]
-    assert settings.optimizer == OptimizerSettings(lr=3e-4, betas=(0.8, 0.99))
+    assert settings.algorithm == arguments["algorithm"]
     staleness, mfu = settings.callbacks
     assert isinstance(staleness, StalenessMonitor) and staleness.max_policy_lag == 2
     assert isinstance(mfu, MFUMonitor) and (mfu.available_flops, mfu.window) == (1e11, 4)

@@ -1,5 +1,5 @@
-"""`fit`'s start-up: which tasks a run trains on (every problem named), and the policy a fresh or resumed run starts
-from (no warm start on resume, the run's own policy-0 kept)."""
+"""`fit`'s start-up: the policy a fresh or resumed run starts from (no warm start on resume, the run's own policy-0
+kept), the learner's cores, the engine and the teacher."""
 
 from __future__ import annotations
 
@@ -11,58 +11,10 @@ import pytest
 import torch
 
 import tslightning.loop.startup as startup
-from tslightning.loop.settings import InvalidSettingsError, ModelSettings, RolloutSettings, WarmStartSettings
-from tslightning.loop.startup import learner_cores, prepare_policy, select_tasks, training_tasks
+from tslightning.loop.settings import ModelSettings, RolloutSettings, WarmStartSettings
+from tslightning.loop.startup import learner_cores, prepare_policy
+from tslightning.loop.task_selection import training_tasks
 from tslightning.tasks.validation import library_dir
-
-
-def _task(root: Path, name: str, toml: str = "") -> Path:
-    task = root / name
-    (task / "environment").mkdir(parents=True)
-    (task / "tests").mkdir()
-    (task / "tests" / "test.sh").write_text("exit 0\n")
-    (task / "instruction.md").write_text("Do it.\n")
-    (task / "task.toml").write_text(toml)
-    return task
-
-
-def test_named_tasks_are_the_only_ones_loaded(tmp_path):
-    _task(tmp_path, "good")
-    _task(tmp_path, "broken", "[verifier]\ntimeout_sec = -1\n")
-    chosen = select_tasks(RolloutSettings(tasks=str(tmp_path), task_names=["good"], split="all"))
-    assert [t.name for t in chosen.tasks] == ["good"] and chosen.problems == [] and chosen.missing == []
-    every = select_tasks(RolloutSettings(tasks=str(tmp_path), split="all"))
-    (problem,) = every.problems
-    assert f"rollout.tasks: task 'broken' ({tmp_path / 'broken'}) is not a valid Harbor task: task.toml" in problem
-    assert "leave it out with rollout.task_names" in problem
-
-
-def test_unknown_names_missing_and_empty_directories_are_named(tmp_path):
-    unknown = select_tasks(RolloutSettings(task_names=["count-lines", "nope"], split="all"))
-    assert unknown.problems == [
-        f"rollout.task_names ['nope'] are not tasks in {library_dir()} (it has base64-decode, compute-checksum, "
-        "count-lines, count-unique-ips, create-directory-tree, crlf-to-lf, ... (36 in all))"
-    ]
-    missing = select_tasks(RolloutSettings(tasks=str(tmp_path / "nowhere")))
-    assert missing.problems == [] and "is not a directory" in missing.missing[0]
-    empty = select_tasks(RolloutSettings(tasks=str(tmp_path)))
-    assert empty.problems == [f"rollout.tasks {tmp_path} holds no task (a directory with task.toml); point it at one"]
-    with pytest.raises(InvalidSettingsError, match="rollout.task_names"):
-        training_tasks(RolloutSettings(task_names=["nope"]))
-
-
-def test_multi_step_tasks_are_refused_by_name(tmp_path):
-    multi = _task(tmp_path, "multi", '[[steps]]\nname = "one"\n')
-    (multi / "steps" / "one").mkdir(parents=True)
-    (multi / "steps" / "one" / "instruction.md").write_text("Step one.\n")
-    _task(tmp_path, "single")
-    selection = select_tasks(RolloutSettings(tasks=str(tmp_path), split="all"))
-    assert [t.name for t in selection.tasks] == ["single"]
-    (problem,) = selection.problems
-    assert problem.startswith("rollout.tasks: task 'multi' is a multi-step task ([[steps]]), which fit does not train")
-    assert RolloutSettings(reward_key="").problems() == [
-        "rollout.reward_key is empty: name the reward.json key to train on (default: reward)"
-    ]
 
 
 @pytest.fixture
@@ -208,3 +160,15 @@ def test_the_ray_launcher_serves_the_frozen_teacher_and_stops_it_when_its_check_
     ):
         start()
     assert len(launched) == 2  # refused before anything was launched
+
+
+def test_warm_start_task_names_demonstrate_those_tasks_instead_of_the_training_tasks(tmp_path, monkeypatch):
+    """The quickstart's warm start names held-out tasks too: their demonstrations are fitted, RL never sees them."""
+    fitted = []
+    monkeypatch.setattr(startup, "supervised_warm_start", lambda model, loop, demos, **kw: fitted.extend(demos))
+    rollout = RolloutSettings(task_names=["count-lines"], split="train")
+    warm_start = WarmStartSettings(steps=5, task_names=["count-lines", "compute-checksum"], near_misses=False)
+    rank_zero = SimpleNamespace(global_rank=0)
+    prepare_policy(rank_zero, ModelSettings(), rollout, warm_start, training_tasks(rollout), 3, tmp_path, False)
+    library = {name: (library_dir() / name / "instruction.md").read_text().strip() for name in warm_start.task_names}
+    assert sorted(demo.instruction for demo in fitted) == sorted(library.values())  # compute-checksum is a dev task

@@ -68,3 +68,18 @@ def test_warm_start_leaves_no_gradient_on_any_weight(tokenizer, make_policy):
     model = make_policy(torch.float32)
     supervised_warm_start(model, AgentLoop(engine=None, tokenizer=tokenizer), DEMOS, steps=3, seed=0)
     assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+
+
+@pytest.mark.parametrize(("schedule", "expected"), [("constant", [4e-3] * 4), ("linear", [4e-3, 3e-3, 2e-3, 1e-3])])
+def test_a_linear_schedule_decays_the_learning_rate_to_zero(tokenizer, make_policy, monkeypatch, schedule, expected):
+    stepped = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        stepped.append(self.param_groups[0]["lr"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    loop = AgentLoop(engine=None, tokenizer=tokenizer)
+    supervised_warm_start(make_policy(torch.float32), loop, DEMOS, steps=4, lr=4e-3, seed=0, lr_schedule=schedule)
+    assert stepped == pytest.approx(expected)

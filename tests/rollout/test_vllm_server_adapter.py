@@ -100,8 +100,9 @@ def _fit(url: str, out: Path, *extra: str) -> None:
     """``fit`` quickstart with ``model.lora`` on the server at ``url``, θ saved by ParameterDump at the end."""
     run_fit(
         out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{url}]",
-        "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--optimizer.lr", "0.003", "--updates", str(UPDATES),
-        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", *dump_parameters(out), *extra,
+        "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--algorithm.optimizer.lr", "0.003",
+        "--updates", str(UPDATES), "--warm_start.steps", "300", "--rollout.prompts_per_update", "4",
+        *dump_parameters(out), *extra,
     )  # fmt: skip
 
 

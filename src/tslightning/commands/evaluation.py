@@ -28,7 +28,8 @@ import transformers
 from tslightning.callbacks.checkpoint_layout import REPLICATED, consolidated_module_state
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, checkpoint_dirs, policy_hash, read_meta
 from tslightning.loop.settings import RolloutSettings
-from tslightning.loop.startup import agent_limits, start_engine, training_tasks
+from tslightning.loop.startup import agent_limits, start_engine
+from tslightning.loop.task_selection import training_tasks
 from tslightning.measure.pass_at_k import PassAtK
 from tslightning.rollout.agent_loop import AgentLoop, PromptTooLong
 from tslightning.rollout.tool_threads import run_with_tool_threads
@@ -65,7 +66,7 @@ class AttemptRecord:
 def validate(  # the limits default to `fit`'s: training and evaluation share per-attempt limits (Table 6)
     checkpoint: str,
     tasks: str | None = None,
-    split: Literal["train", "dev", "all"] = "dev",
+    split: Literal["train", "dev", "all"] | None = None,
     dev_fraction: float = RolloutSettings.dev_fraction,
     attempts: int = 3,
     k: Sequence[int] = (1, 3),
@@ -81,6 +82,7 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
     dtype: Literal["float32", "bfloat16"] = "float32",
     backend: Backend = "bubblewrap",
     out: str | None = None,
+    task_names: list[str] | None = None,
 ) -> dict:
     """Estimate pass@k of a checkpoint's policy on held-out tasks.
 
@@ -89,7 +91,9 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
             holding one (a ``fit`` output directory: its latest checkpoint, else its ``policy-0``); see
             :func:`resolve_checkpoint`.
         tasks: A task directory or a directory of tasks; ``None`` uses the shipped library.
-        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task.
+        split: Side of the SHA-256 group split (App. C.2) to evaluate; ``all`` takes every task; ``None``: ``dev``
+            (the ``tslightning validate`` command then compares a ``fit`` run's final policy with its policy-0 on
+            both sides: :func:`~tslightning.commands.policy_comparison.validate_or_compare`).
         dev_fraction: Development share of the split (use the training run's value).
         attempts: Independent attempts per task, n (App. E.2: 3).
         k: The pass@k to report; each k must be at most ``attempts``.
@@ -105,6 +109,7 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         dtype: Dtype the engine serves the policy in.
         backend: Sandbox backend of the attempts.
         out: Write the report here as JSON.
+        task_names: Evaluate these tasks only (by directory name), of the split's side; ``None``: every task.
 
     Returns:
         The report: ``pass_at_k`` (``{"pass@k": fraction}``), ``tasks`` (per task ``n``, ``c`` and its pass@k
@@ -121,7 +126,8 @@ def validate(  # the limits default to `fit`'s: training and evaluation share pe
         engine=engine,
         replicas=replicas,
         tasks=tasks,
-        split=split,
+        split=split or "dev",
+        task_names=task_names,
         dev_fraction=dev_fraction,
         max_turns=max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -272,8 +278,10 @@ def _report(records: list[AttemptRecord], tasks: list[TerminalTask], ks: tuple[i
         }
         for i, task in enumerate(metric.tasks)
     }
+    fractions = [r.passed_fraction or 0.0 for r in records]
     return {
         "pass_at_k": {name: float(score) for name, score in metric.compute().items()},
+        "mean_passed_fraction": sum(fractions) / len(fractions) if fractions else 0.0,
         "tasks": rows,
         "records": [asdict(record) for record in records],
     }
@@ -328,9 +336,19 @@ def _checkpoint_record(source: Path) -> dict[str, Any]:
 
 
 def _settings(arguments: dict) -> dict:
-    kept = ("tasks", "split", "dev_fraction", "attempts", "engine", "seed", "max_turns", "max_tokens_per_turn")
+    kept = (
+        "tasks",
+        "task_names",
+        "split",
+        "dev_fraction",
+        "attempts",
+        "engine",
+        "seed",
+        "max_turns",
+        "max_tokens_per_turn",
+    )
     kept += ("max_tokens_per_trajectory", "observation_head_tokens", "observation_tail_tokens", "dtype", "backend")
-    return {name: arguments[name] for name in kept} | {"k": list(arguments["ks"])}
+    return {name: arguments[name] for name in kept} | {"k": list(arguments["ks"]), "split": arguments["split"] or "dev"}
 
 
 __all__ = ["AttemptRecord", "export_policy", "format_report", "resolve_checkpoint", "validate"]

@@ -13,11 +13,10 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from tqdm.auto import tqdm
 
@@ -34,7 +33,7 @@ from tslightning.distributed.learner_strategy import LearnerSettings, learner_st
 from tslightning.distributed.parameter_placement import placement_for
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
-from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
+from tslightning.learner.streaming_module import Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.batch_replay import RecordedBatches
 from tslightning.loop.learner_shape import planned_memory, policy_config
@@ -42,7 +41,10 @@ from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
 from tslightning.loop.run_config import resolved_config
 from tslightning.loop.run_directory import RunDirectory, open_run_directory
+from tslightning.loop.run_loggers import DEFAULT_LOGGERS, make_loggers
+from tslightning.loop.run_summary import RunSummary, StepTimes, logger_locations, predicted_speedup
 from tslightning.loop.settings import (
+    AlgorithmSettings,
     CheckpointSettings,
     LoraSettings,
     ModelSettings,
@@ -83,17 +85,13 @@ def fit(
     model: ModelSettings = ModelSettings(),  # noqa: B008 - frozen-by-convention settings, never mutated
     rollout: RolloutSettings = RolloutSettings(),  # noqa: B008
     warm_start: WarmStartSettings = WarmStartSettings(),  # noqa: B008
-    optimizer: OptimizerSettings = OptimizerSettings(),  # noqa: B008
-    advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo",
-    max_grad_norm: float = 1.0,
-    group_admission_cap: int | None = None,
-    sync_micro_batch_size: int = 8,
-    context_backward: Literal["recompute", "boundary"] = "recompute",
+    algorithm: AlgorithmSettings = AlgorithmSettings(),  # noqa: B008
     available_flops: float | None = None,
     checkpoint: CheckpointSettings = CheckpointSettings(),  # noqa: B008
     resume: str | None = None,
     overwrite: bool = False,
     callbacks: list[L.Callback] = [],  # noqa: B006 - never mutated
+    loggers: list[dict[str, Any]] = list(DEFAULT_LOGGERS),  # noqa: B006, B008 - never mutated
     staleness_bound: int = 1,
     accelerator: str = "cpu",
     learner: LearnerSettings = LearnerSettings(),  # noqa: B008
@@ -118,14 +116,8 @@ def fit(
         model: The policy and teacher.
         rollout: Rollout pool, tasks and agent limits.
         warm_start: Supervised warm start before RL.
-        optimizer: AdamW settings (Table 5: lr 1e-6; the quickstart uses a larger lr to learn within minutes).
-        advantage: GRPO advantage estimator.
-        max_grad_norm: Global-norm clipping of the batch direction.
-        group_admission_cap: Per-rank cap on GRPO groups holding statistics (App. D.3).
-        sync_micro_batch_size: ``sync`` (and ``async``) learner: sequences per padded forward, sorted by length.
-        context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
-            runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
-            boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
+        algorithm: The learning algorithm: advantage estimator, clipping, AdamW, and how the learner computes the
+            exact update (group admission cap, context backward, sync micro-batches).
         available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
             table has no entry; on GPUs ``None`` reads Lightning's table.
         checkpoint: When and where checkpoints are written.
@@ -137,6 +129,10 @@ def fit(
             checkpoints, policy) before starting. Without it, a run into a used ``out_dir`` is refused.
         callbacks: Extra callbacks (``class_path``/``init_args`` in configs), run after the built-in ones. The loop is
             Fabric's, so Lightning's Trainer callbacks (ModelCheckpoint, Timer, ThroughputMonitor, ...) are refused.
+        loggers: Where metrics go, as ``class_path``/``init_args`` (LightningCLI's ``trainer.logger`` form): any
+            Lightning logger, e.g. ``WandbLogger`` (``init_args: {offline: true}``) or ``MLFlowLogger`` (a file store
+            under ``out_dir/mlruns`` unless ``tracking_uri`` is given); a logger's ``root_dir``/``save_dir`` defaults
+            to ``out_dir``. Default: CSV and TensorBoard (:mod:`tslightning.loop.run_loggers`).
         staleness_bound: ``fully_async`` only: most versions a trained source may trail the learner.
         accelerator: Learner device kind for Fabric (``cpu``, ``cuda``, ``auto``).
         learner: Learner ranks (devices, nodes, strategy, collective timeout); each rank rolls out and streams its
@@ -164,19 +160,20 @@ def fit(
     # A replay starts no engine: nothing serves θ, so nothing publishes it (not a publisher with nobody to talk to).
     publisher = None if replay else WeightPublisher(every_rank=learner.world_size > 1)  # engine: set after launch
     recorder = ReleaseTraceRecorder(out / "trace")  # its datamodule: likewise
+    monitor = MFUMonitor(available_flops=available_flops)  # its step-time breakdown feeds the end-of-run summary
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=learner.devices,
         num_nodes=learner.num_nodes,
         strategy=learner_strategy(learner, accelerator),
         precision=model.precision,
-        loggers=[CSVLogger(out, name="csv"), TensorBoardLogger(out, name="tensorboard")],
+        loggers=make_loggers(loggers, out),
         callbacks=[  # order matters: publication is timed before MFU and the trace read the update's timings
             BatchBarrier(zero_staleness=lag == 0),
-            *([] if module_clips else [GradientClipping(max_grad_norm)]),
+            *([] if module_clips else [GradientClipping(algorithm.max_grad_norm)]),
             *([publisher] if publisher else []),
             StalenessMonitor(max_policy_lag=lag),
-            MFUMonitor(available_flops=available_flops),
+            monitor,
             recorder,
             *callbacks,
             *([checkpointer(checkpoint, out, seed, config)] if checkpoint.enabled else []),  # last: saves the others
@@ -202,13 +199,13 @@ def fit(
             policy,
             objective,
             "thundersync" if schedule == "thundersync" else "sync",  # async: batch learner work, overlapped
-            advantage,
-            max_grad_norm=max_grad_norm if module_clips else None,
-            group_admission_cap=group_admission_cap,
-            sync_micro_batch_size=sync_micro_batch_size,
-            optimizer=optimizer,
+            algorithm.advantage,
+            max_grad_norm=algorithm.max_grad_norm if module_clips else None,
+            group_admission_cap=algorithm.group_admission_cap,
+            sync_micro_batch_size=algorithm.sync_micro_batch_size,
+            optimizer=algorithm.optimizer,
             max_policy_lag=lag,
-            context_backward=context_backward,
+            context_backward=algorithm.context_backward,
             statistics_device=statistics_device,
             fold_queue_depth=learner.fold_queue_depth,
             logprob_chunk_tokens=learner.logprob_chunk_tokens,
@@ -217,7 +214,7 @@ def fit(
         fabric_optimizer = _set_up(fabric, module)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
         batches = out / "batches" if record_batches else None
-        return _run_updates(
+        result = _run_updates(
             fabric,
             module,
             fabric_optimizer,
@@ -230,6 +227,25 @@ def fit(
             staleness_bound,
             batches,
         )
+        if fabric.global_rank == 0:
+            print(_summary(fabric, result, monitor, run, objective, schedule, first, checkpoint).text(), flush=True)
+        return result
+
+
+def _summary(fabric, result, monitor, run: RunDirectory, objective, schedule, first, checkpoint) -> RunSummary:
+    """The end-of-run summary (:mod:`tslightning.loop.run_summary`) of this segment."""
+    checkpoints = Path(checkpoint.dirpath) if checkpoint.dirpath else run.path / "checkpoints"
+    return RunSummary(
+        result,
+        objective,
+        schedule,
+        StepTimes.measured(list(monitor.history)[-len(result.step_seconds) :], result.step_seconds),
+        first_update=first,
+        predicted_speedup=predicted_speedup(run.path / "trace") if (run.path / "trace").is_dir() else None,
+        logs=logger_locations(fabric.loggers),
+        config_file=run.config_file,
+        checkpoints=checkpoints if checkpoint.enabled else None,
+    )
 
 
 def _start_rollout(
@@ -293,8 +309,8 @@ def _statistics_device(fabric, arguments: dict) -> str:
     available = torch.cuda.get_device_properties(fabric.device).total_memory
     planned = planned_memory(
         policy_config(model), arguments["objective"], arguments["schedule"], model, rollout, learner,
-        arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
-        arguments["optimizer"].state_dtype,
+        arguments["algorithm"].group_admission_cap, arguments["algorithm"].sync_micro_batch_size, available,
+        arguments["algorithm"].optimizer.state_dtype,
     )  # fmt: skip
     rank_zero_info(plan_report(planned.plan, planned.shape, available / 2**30, learner.activation_checkpointing))
     return planned.statistics_device
@@ -369,6 +385,7 @@ def _run_updates(
 
 
 __all__ = [
+    "AlgorithmSettings",
     "CheckpointSettings",
     "FitResult",
     "LoraSettings",

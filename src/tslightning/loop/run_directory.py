@@ -31,6 +31,8 @@ RUN_OUTPUTS = (
     "timeline.png",
     "csv",
     "tensorboard",
+    "wandb",
+    "mlruns",
     "trace",
     "checkpoints",
     "policy-0",
@@ -38,7 +40,8 @@ RUN_OUTPUTS = (
     "tiny-model",
     "batches",
 )
-"""What ``fit`` writes into ``out_dir`` (``config.json``: the resolved config of earlier versions)."""
+"""What ``fit`` writes into ``out_dir`` (``config.json``: the resolved config of earlier versions; ``wandb`` and
+``mlruns``: the W&B and MLflow loggers' default directories)."""
 
 _CHECKPOINT = re.compile(r"(\.tmp-)?update-\d+")
 _RESUME_CONFIG = re.compile(r"config\.resume-(\d+)\.yaml")

@@ -1,5 +1,6 @@
-"""`fit`'s typed settings: the policy, the rollout pool and tasks, the warm start and checkpoints (jsonargparse derives
-the CLI from these dataclasses and their attribute docstrings), and the checks run on them before anything is written.
+"""`fit`'s typed settings: the policy, the rollout pool and tasks, the warm start, the learning algorithm and
+checkpoints (jsonargparse derives the CLI from these dataclasses and their attribute docstrings), and the checks run on
+them before anything is written.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Literal
 from tslightning.distributed.parameter_placement import placement_for
 from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
+from tslightning.learner.settings import OptimizerSettings
 from tslightning.models.tiny_model import TinyModelConfig
 from tslightning.rollout.replica_launcher import RaySettings
 from tslightning.rollout.vllm_server_check import url_problems
@@ -267,15 +269,86 @@ class WarmStartSettings:
     warm-started and trained weights."""
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """``linear`` decays the learning rate to 0 over the steps, so the policy ends near the demonstrations' average
+    rather than leaning toward the last few (an even choice between each task's reference and near miss)."""
     near_misses: bool = True
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+    task_names: list[str] | None = None
+    """Demonstrate these tasks of ``rollout.tasks`` (by directory name, either side of the split) instead of the
+    training tasks. Held-out tasks named here stand in for what a pretrained policy already knows: RL never trains on
+    them, so ``tslightning validate``'s dev split shows whether what RL learned carries over."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``warm_start.*``) and the fix."""
         problems = _at_least("warm_start", self, ("steps", 0))
+        if self.task_names is not None and not self.task_names:
+            problems.append("warm_start.task_names is empty: name at least one task, or null for the training tasks")
         if not self.lr > 0:
             problems.append(f"warm_start.lr must be > 0; got {self.lr}")
         return problems
+
+
+@dataclass
+class AlgorithmSettings:
+    """The learning algorithm: GRPO's advantage estimator (Eqs. 4-7), clipping and AdamW (Table 5), and how the
+    learner computes the exact update (statistics cap, context backward, sync micro-batches)."""
+
+    advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo"
+    """GRPO advantage estimator: ``grpo`` (population std, Eq. 5), ``grpo_sample`` (sample std), ``dr_grpo`` (no
+    std), ``rloo`` (leave-one-out baseline); all stream exactly."""
+    max_grad_norm: float = 1.0
+    """Global-norm clipping of the batch direction (``inf``: no clipping)."""
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    """AdamW (Table 5: lr 1e-6; the quickstart uses a larger lr to learn within minutes)."""
+    group_admission_cap: int | None = None
+    """Per-rank cap on GRPO groups holding statistics at once (App. D.3; ``None``: no cap). With
+    ``learner.shard_statistics`` it counts groups over all ranks."""
+    context_backward: Literal["recompute", "boundary"] = "recompute"
+    """``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary`` runs a GRPO group's
+    prompt and an OPD trajectory's earlier turns once and back-propagates the summed boundary adjoints when the group
+    or trajectory closes (App. I): the same update, fewer learner FLOPs."""
+    sync_micro_batch_size: int = 8
+    """``sync`` (and ``async``) learner: sequences per padded forward, sorted by length."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``algorithm.*``) and the fix."""
+        problems = _at_least("algorithm", self, ("sync_micro_batch_size", 1))
+        if not self.max_grad_norm > 0:
+            problems.append(f"algorithm.max_grad_norm must be > 0 (inf: no clipping); got {self.max_grad_norm}")
+        if self.group_admission_cap is not None and self.group_admission_cap < 1:
+            problems.append(
+                f"algorithm.group_admission_cap must be >= 1, or null for no cap; got {self.group_admission_cap}"
+            )
+        return problems + _optimizer_problems(self.optimizer)
+
+
+def _optimizer_problems(optimizer: OptimizerSettings) -> list[str]:
+    problems = [] if optimizer.lr > 0 else [f"algorithm.optimizer.lr must be > 0; got {optimizer.lr}"]
+    if len(optimizer.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optimizer.betas):
+        problems.append(f"algorithm.optimizer.betas must be two numbers in [0, 1); got {list(optimizer.betas)}")
+    if not optimizer.eps >= 0:
+        problems.append(f"algorithm.optimizer.eps must be >= 0; got {optimizer.eps}")
+    if not optimizer.weight_decay >= 0:
+        problems.append(f"algorithm.optimizer.weight_decay must be >= 0; got {optimizer.weight_decay}")
+    return problems
+
+
+MOVED_TO_ALGORITHM = (
+    "advantage",
+    "max_grad_norm",
+    "optimizer",
+    "group_admission_cap",
+    "context_backward",
+    "sync_micro_batch_size",
+)
+"""``fit`` arguments that were top-level keys before 0.1.0 and are now ``algorithm.<name>``."""
+
+
+def moved_key(key: str) -> str | None:
+    """The key a pre-0.1.0 ``fit`` key (``max_grad_norm``, ``optimizer.lr``) is now (``algorithm.max_grad_norm``,
+    ``algorithm.optimizer.lr``); ``None`` for a key that did not move."""
+    return f"algorithm.{key}" if key.split(".")[0] in MOVED_TO_ALGORITHM else None
 
 
 def shards_parameters(strategy: str) -> bool:
@@ -326,14 +399,14 @@ def setting_problems(
     problems = []
     if context_backward == "boundary" and schedule != "thundersync":
         problems.append(
-            f"context_backward 'boundary' streams context adjoints under schedule thundersync; schedule {schedule!r} "
-            "runs the recompute learner (set context_backward: recompute)"
+            f"algorithm.context_backward 'boundary' streams context adjoints under schedule thundersync; schedule "
+            f"{schedule!r} runs the recompute learner (set algorithm.context_backward: recompute)"
         )
     problems += learner.problems(schedule) + learner.sharding_problems(objective)
     if shards_parameters(learner.strategy) and context_backward == "boundary":
         problems.append(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
-            "context backward runs several per source: set context_backward=recompute"
+            "context backward runs several per source: set algorithm.context_backward=recompute"
         )
     problems += _placement_problems(model, rollout, learner)
     if model.precision == "64-true" and learner.strategy in ("fsdp", "deepspeed_stage_2", "deepspeed_stage_3"):
@@ -345,7 +418,7 @@ def setting_problems(
     if learner.activation_checkpointing and context_backward == "boundary":
         problems.append(
             "learner.activation_checkpointing recomputes layers without their K/V cache, which the boundary context "
-            "backward continues from: set context_backward=recompute or activation_checkpointing=false"
+            "backward continues from: set algorithm.context_backward=recompute or activation_checkpointing=false"
         )
     if model.teacher_cpus is not None and objective != "opd":
         problems.append(f"model.teacher_cpus places the OPD teacher; objective {objective!r} has none (set it to null)")

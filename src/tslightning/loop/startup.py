@@ -1,5 +1,6 @@
-"""`fit`'s start-up: the training tasks, the policy (built or loaded, warm-started, saved for the engine), the rollout
-engine, the OPD teacher and the rollout DataModule, and the learner's cores.
+"""`fit`'s start-up: the policy (built or loaded, warm-started, saved for the engine), the rollout engine, the OPD
+teacher and the rollout DataModule, and the learner's cores. Which tasks a run trains on is
+:mod:`tslightning.loop.task_selection`.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import contextlib
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
 from tslightning.loop.rollout_servers import replica_server_args, start_vllm_server
-from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
+from tslightning.loop.settings import ModelSettings, RolloutSettings
+from tslightning.loop.task_selection import select_tasks
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.objectives.chunked_head import DEFAULT_CHUNK_ROWS
@@ -29,102 +31,8 @@ from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.tasks.demonstrations import task_demonstrations
-from tslightning.tasks.helper_services import helper_images
-from tslightning.tasks.image_lite import ImageBuildError, build_image
-from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
-from tslightning.tasks.split import split_of
+from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
-from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs
-from tslightning.tasks.validation import library_dir, unmet_needs
-
-
-@dataclass
-class TaskSelection:
-    """The training tasks ``rollout`` selects, and what is wrong with the selection (each line names the key)."""
-
-    tasks: list
-    problems: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    """Problems that are a path that does not exist."""
-
-
-def training_tasks(rollout: RolloutSettings) -> list:
-    """The training tasks of ``rollout``; raises :class:`~tslightning.loop.settings.SettingsError` (a ``ValueError``
-    or ``FileNotFoundError``) naming every problem."""
-    selection = select_tasks(rollout)
-    error = settings_error(selection.problems, selection.missing)
-    if error is not None:
-        raise error
-    return selection.tasks
-
-
-def select_tasks(rollout: RolloutSettings) -> TaskSelection:
-    """Load ``rollout``'s tasks (only the named ones when ``task_names`` is given) and keep its split's side."""
-    if rollout.environment == "simulated_tool":
-        return _simulated_tasks(rollout)
-    root = Path(rollout.tasks) if rollout.tasks else library_dir()
-    if not root.is_dir():
-        fix = "give a task directory or a directory of tasks (null: the shipped library)"
-        return TaskSelection([], missing=[f"rollout.tasks {root} is not a directory; {fix}"])
-    directories = find_task_dirs(root)
-    selection = TaskSelection([])
-    if not directories:
-        selection.problems.append(f"rollout.tasks {root} holds no task (a directory with task.toml); point it at one")
-    if rollout.task_names is not None:
-        known = [d.name for d in directories]
-        unknown = sorted(set(rollout.task_names) - set(known))
-        if unknown and directories:
-            selection.problems.append(f"rollout.task_names {unknown} are not tasks in {root} (it has {_few(known)})")
-        directories = [d for d in directories if d.name in rollout.task_names]
-    for directory in directories:
-        try:
-            task = TerminalTask.load(directory)
-        except TaskFormatError as error:
-            selection.problems.append(
-                f"rollout.tasks: task {directory.name!r} ({directory}) is not a valid Harbor task: "
-                f"{'; '.join(error.problems)} (fix it, or leave it out with rollout.task_names)"
-            )
-            continue
-        if task.multi_step:
-            selection.problems.append(
-                f"rollout.tasks: task {task.name!r} is a multi-step task ([[steps]]), which fit does not train on "
-                "(a step's instruction would arrive mid-trajectory); `tslightning tasks validate` runs it. Leave it "
-                "out with rollout.task_names"
-            )
-            continue
-        unmet = unmet_needs(task)
-        if unmet is not None:
-            selection.problems.append(
-                f"rollout.tasks: task {task.name!r} {unmet[0]}: {'; '.join(unmet[1])} (leave it out with "
-                "rollout.task_names; `tslightning tasks validate` lists what each task needs)"
-            )
-            continue
-        problem = _build_image(task)
-        if problem is not None:
-            selection.problems.append(problem)
-            continue
-        selection.tasks.append(task)
-    if rollout.split != "all" and 0 <= rollout.dev_fraction <= 1:  # out of range: RolloutSettings.problems says so
-        selection.tasks = [t for t in selection.tasks if split_of(t.group_id, rollout.dev_fraction) == rollout.split]
-    if not selection.tasks and not selection.problems:
-        selection.problems.append(
-            f"rollout.split={rollout.split!r} leaves no tasks in {root}; use split: all or more tasks"
-        )
-    return selection
-
-
-def _simulated_tasks(rollout: RolloutSettings) -> TaskSelection:
-    tasks = simulated_tasks(rollout.simulated_tool)
-    if rollout.task_names is None:
-        return TaskSelection(tasks)
-    unknown = sorted(set(rollout.task_names) - {t.task_id for t in tasks})
-    if unknown:
-        return TaskSelection([], [f"rollout.task_names {unknown} are not simulated_tool tasks (gauge-0 ...)"])
-    return TaskSelection([t for t in tasks if t.task_id in rollout.task_names])
-
-
-def _few(names: list[str], shown: int = 6) -> str:
-    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
 
 
 def prepare_policy(
@@ -180,8 +88,12 @@ def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path
         return
     policy, tokenizer = load_tiny_model(source)
     loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy.config))
+    if warm_start.task_names is not None:  # checked by preflight (warm_start_tasks)
+        tasks = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all")).tasks
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
-    supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
+    supervised_warm_start(
+        policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed, lr_schedule=warm_start.lr_schedule
+    )
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)
 
@@ -366,19 +278,6 @@ def rollout_datamodule(
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
         prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
     )
-
-
-def _build_image(task: TerminalTask) -> str | None:
-    """Build (or find in the cache) the image-lite environment of a task that needs one (and its helper services'),
-    before any rollout."""
-    if task.needs.status != "build":
-        return None
-    try:
-        build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
-        helper_images(task)
-    except ImageBuildError as error:
-        return f"rollout.tasks: task {task.name!r}: its image did not build: environment/{error}"
-    return None
 
 
 def attempt_factory(rollout: RolloutSettings):

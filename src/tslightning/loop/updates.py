@@ -26,10 +26,13 @@ from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 @dataclass
 class FitResult:
-    """What one ``fit`` run did: per-update mean training reward and step time, and where things were written."""
+    """What one ``fit`` run did: per-update mean training reward, step time and direction norm, and where things were
+    written."""
 
     mean_rewards: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    direction_norms: list[float] = field(default_factory=list)
+    """Per update, the global norm of the batch direction before clipping (0: every group's rewards were equal)."""
     teacher_gaps: list[float] = field(default_factory=list)
     """OPD: per update, mean log π_T − log π_θk over the sampled action tokens."""
     peak_learner_memory_mb: float = 0.0
@@ -171,6 +174,8 @@ def record_update(fabric, module, outcome: RolloutOutcome, result: FitResult, up
     if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0
         metrics["train/teacher_logprob_gap"] = gap / tokens
         result.teacher_gaps.append(gap / tokens)
+    if module.last_update is not None:
+        result.direction_norms.append(module.last_update.direction_norm)
     if module.max_grad_norm is not None and module.last_update is not None:  # the module clipped (ZeRO, FSDP)
         metrics["actor/grad_norm"] = module.last_update.direction_norm
         metrics["actor/grad_clip_coef"] = module.last_update.clip_coefficient

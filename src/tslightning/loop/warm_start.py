@@ -39,8 +39,13 @@ def supervised_warm_start(
     steps: int = 200,
     lr: float = 3e-3,
     seed: int = 0,
+    lr_schedule: str = "constant",
 ) -> list[float]:
     """Fit ``model`` to the demonstrations' action tokens (AdamW, one demonstration per step, seeded order).
+
+    ``lr_schedule`` ``linear`` decays the learning rate to 0 over the steps: the policy then ends near the average
+    of the demonstrations rather than leaning toward the last few it saw (with a reference and a near miss of each
+    task, an even choice between them instead of one that depends on the seed's order).
 
     Returns the loss of each step (mean negative log-likelihood per action token, nats). Leaves no gradient behind:
     every parameter's ``.grad`` is ``None`` afterwards.
@@ -50,6 +55,8 @@ def supervised_warm_start(
     examples = [demonstration_tokens(loop, d) for d in demonstrations]
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    decay = (lambda step: 1.0 - step / steps) if lr_schedule == "linear" else (lambda step: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     order = torch.Generator().manual_seed(seed)
     losses = []
     model.train()
@@ -61,6 +68,7 @@ def supervised_warm_start(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        scheduler.step()
         losses.append(loss.detach().item())
     model.zero_grad(set_to_none=True)  # the RL learner accumulates into .grad: leave it nothing of the warm start
     model.eval()

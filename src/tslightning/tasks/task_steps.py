@@ -12,7 +12,7 @@ carry over to the next step, processes the agent left running do not (Harbor kee
 
 ``tslightning tasks validate`` runs multi-step tasks (the no-op agent, and each step's ``solution/solve.sh``).
 ``fit`` does not train on them: the agent loop takes one instruction per trajectory, and a step's instruction
-arrives mid-trajectory (``fit`` refuses them by name; see :mod:`tslightning.loop.startup`).
+arrives mid-trajectory (``fit`` refuses them by name; see :mod:`tslightning.loop.task_selection`).
 """
 
 from __future__ import annotations
