@@ -32,6 +32,8 @@ from tslightning.loop.settings import (
 from tslightning.loop.startup import select_tasks
 from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.rollout.core_placement import check_cores
+from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config
 from tslightning.rollout.vllm_server_check import reachability_problems, url_problems
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
@@ -83,6 +85,7 @@ def preflight(
     learner: LearnerSettings,
     record_batches: bool = False,
     replay_batches: str | None = None,
+    harness: HarnessSettings | None = None,
     **unchecked: Any,
 ) -> list:
     """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
@@ -124,12 +127,32 @@ def preflight(
         overwrite=overwrite,
     )
     problems += replay
+    harness = harness or HarnessSettings()
+    problems += harness_problems(harness, objective, schedule, context_backward, rollout, warm_start)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
     error = settings_error(problems + tasks.problems, missing + tasks.missing)
     if error is not None:
         raise error
     return tasks.tasks
+
+
+def harness_problems(
+    harness: HarnessSettings,
+    objective: str,
+    schedule: str,
+    context_backward: str,
+    rollout: RolloutSettings,
+    warm_start: WarmStartSettings,
+) -> list[str]:
+    """``harness``'s settings for this run, and for mini-swe-agent that its interpreter runs it with its configs."""
+    problems = harness.problems(objective, schedule, context_backward, rollout.environment, warm_start.steps)
+    if harness.name == "mini_swe_agent" and not problems:
+        try:
+            mini_swe_agent_config(harness.python, harness.configs)
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
 
 
 def callback_problems(callbacks: Sequence[Any]) -> list[str]:

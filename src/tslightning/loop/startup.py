@@ -23,6 +23,10 @@ from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_e
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
+from tslightning.rollout.gateway import HarnessAgent, HarnessProgram, OpenAIGateway
+from tslightning.rollout.gateway.conversation import ChatTokens
+from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.gateway.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
@@ -135,6 +139,7 @@ def prepare_policy(
     out: Path,
     resume: bool,
     activation_checkpointing: bool = False,
+    demonstration_format=None,
 ):
     """θ_0, built once: global rank 0 builds (or loads), warm-starts and saves it as ``out/policy-0``; every rank then
     loads that directory, so all ranks start from the same bytes and the engines serve them.
@@ -142,13 +147,16 @@ def prepare_policy(
     Without a warm start ``policy-0`` is a link to the source checkpoint (nothing is copied). On ``resume`` there is
     no warm start — the checkpoint holds the warm-started and trained weights, published to the replicas before update
     k + 1 samples anything — and the run's ``policy-0`` is kept as it is. Returns the policy in the learner dtype (LoRA
-    wrapped when asked), its tokenizer and ``policy-0``.
+    wrapped when asked), its tokenizer and ``policy-0``. ``demonstration_format`` (tokenizer → format) lays the warm
+    start's demonstrations out as a harness's attempts reach the learner (:func:`warm_start_format`); ``None``: the
+    built-in agent loop's layout.
     """
     policy_dir = out / "policy-0"
     with agreed_by_ranks("set-up: building the initial policy on global rank 0"):
         if fabric.global_rank == 0 and not (resume and policy_dir.exists()):
             steps = 0 if resume else warm_start.steps  # resumed: the checkpoint holds the trained weights
-            _save_initial_policy(model, rollout, replace(warm_start, steps=steps), tasks, seed, out, policy_dir)
+            warm = replace(warm_start, steps=steps)
+            _save_initial_policy(model, rollout, warm, tasks, seed, out, policy_dir, demonstration_format)
     with agreed_by_ranks("set-up: loading the initial policy"):
         policy, tokenizer = load_tiny_model(policy_dir, weight_dtype(model.precision, frozen=model.lora is not None))
         if model.precision == "64-true":
@@ -167,7 +175,9 @@ def checkpoint_activations(policy: torch.nn.Module) -> None:
     policy.train()
 
 
-def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path) -> None:
+def _save_initial_policy(
+    model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path, demonstration_format=None
+) -> None:
     source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed))
     if policy_dir.is_symlink() or policy_dir.is_file():
         policy_dir.unlink()
@@ -177,7 +187,7 @@ def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path
         policy_dir.symlink_to(source.resolve(), target_is_directory=True)
         return
     policy, tokenizer = load_tiny_model(source)
-    loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy.config))
+    loop = _demonstration_layout(tokenizer, rollout, policy.config, demonstration_format)
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
     supervised_warm_start(policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed)
     policy.save_pretrained(policy_dir)
@@ -256,8 +266,24 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
     )
 
 
+def _demonstration_layout(tokenizer, rollout, policy_config, demonstration_format):
+    """The warm start's layout: a harness's format, else the built-in agent loop's serialization."""
+    if demonstration_format is not None:
+        return demonstration_format(tokenizer)
+    return AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy_config))
+
+
 def start_teacher(
-    fabric, model: ModelSettings, rollout, warm_start, tasks, seed: int, out: Path, resume: bool, placement
+    fabric,
+    model: ModelSettings,
+    rollout,
+    warm_start,
+    tasks,
+    seed: int,
+    out: Path,
+    resume: bool,
+    placement,
+    demonstration_format=None,
 ) -> TeacherScorer | TeacherServer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
     twice as long on the reference solutions alone, so it prefers the right command the student only sometimes
@@ -273,7 +299,7 @@ def start_teacher(
         if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
             teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
             if warm_start.steps:
-                loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, teacher.config))
+                loop = _demonstration_layout(tokenizer, rollout, teacher.config, demonstration_format)
                 demos = demonstrations(rollout, tasks, near_misses=False)
                 supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
             teacher.save_pretrained(teacher_dir)
@@ -334,10 +360,12 @@ def rollout_datamodule(
     placement: RankPlacement | None = None,
     policy_config=None,
     updates: int | None = None,
+    agent=None,
 ) -> RolloutDataModule:
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
     agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores), and terminal tasks'
-    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``."""
+    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``; ``agent`` acts in each
+    attempt (a harness, :func:`start_harness`; ``None``: the built-in agent loop)."""
     return RolloutDataModule(
         engine,
         tokenizer,
@@ -353,7 +381,41 @@ def rollout_datamodule(
         max_concurrent_attempts=rollout.max_concurrent_attempts,
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
         prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
+        agent=agent,
     )
+
+
+def warm_start_format(harness: HarnessSettings):
+    """The warm start's layout for ``harness`` (tokenizer → format), or ``None`` for the built-in loop's: mini-swe-agent
+    demonstrates in its own configuration's messages (read through its interpreter)."""
+    if harness.name != "mini_swe_agent":
+        return None
+    config = mini_swe_agent_config(harness.python, harness.configs)
+    return lambda tokenizer: MiniSweAgentFormat(ChatTokens(tokenizer), config)
+
+
+def start_harness(
+    harness: HarnessSettings, engine, tokenizer, rollout: RolloutSettings, policy_config, seed: int, objective: str, out
+) -> HarnessAgent:
+    """This rank's gateway in front of ``engine`` (started, on ``harness.host``, at a port the OS picks unless
+    ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. GRPO refuses
+    a rewritten history, OPD cuts it into segments (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
+    gateway = OpenAIGateway(
+        engine,
+        tokenizer,
+        agent_limits(rollout, policy_config),
+        seed,
+        model_name=harness.model_name,
+        host=harness.host,
+        port=harness.port,
+        allow_segments=objective == "opd",
+        max_concurrent_commands=rollout.max_concurrent_attempts,
+    ).start()
+    if harness.name == "mini_swe_agent":
+        program = mini_swe_agent_program(harness.python, harness.configs, harness.timeout_s)
+    else:
+        program = HarnessProgram(list(harness.command), timeout_s=harness.timeout_s)
+    return HarnessAgent(gateway, program, Path(harness.log_dir) if harness.log_dir else Path(out) / "attempts")
 
 
 def _build_image(task: TerminalTask) -> str | None:
