@@ -16,11 +16,16 @@ def character_ids(tokenizer, text: str) -> list[int]:
 
 
 class CharacterEngine:
-    """Samples ``reply(request)`` as one token per character, then the end-of-turn token (cut at ``max_tokens``);
-    log-prob ``-0.5`` per token; stamps its :attr:`version`. ``hold`` (an Event) delays answers until set."""
+    """Samples ``reply(request)`` as one token per character (``canonical``: as the tokenizer encodes it), then the
+    end-of-turn token (cut at ``max_tokens``); log-prob ``-0.5`` per token; stamps its :attr:`version`. ``hold`` (an
+    Event) delays answers until set."""
 
-    def __init__(self, tokenizer, reply=lambda request: "ok", version: int = 0, hold: threading.Event | None = None):
+    def __init__(
+        self, tokenizer, reply=lambda request: "ok", version: int = 0, hold: threading.Event | None = None,
+        canonical: bool = False,
+    ):  # fmt: skip
         self.tokenizer, self.reply, self.version, self.hold = tokenizer, reply, version, hold
+        self.canonical = canonical
         self.requests: list[GenerationRequest] = []
 
     @property
@@ -29,7 +34,13 @@ class CharacterEngine:
 
     def submit(self, request: GenerationRequest) -> Future:
         self.requests.append(request)
-        ids = character_ids(self.tokenizer, self.reply(request)) + [self.tokenizer.eos_token_id]
+        text = self.reply(request)
+        ids = (
+            self.tokenizer.encode(text, add_special_tokens=False)
+            if self.canonical
+            else character_ids(self.tokenizer, text)
+        )
+        ids = ids + [self.tokenizer.eos_token_id]
         ids = ids[: request.max_tokens]
         reason = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
         generation = Generation(request.request_id, tuple(ids), tuple([-0.5] * len(ids)), reason, self.version)
@@ -62,3 +73,11 @@ class RecordingAttempt:
 
     def verify(self) -> float:
         return self.reward
+
+
+class EchoAttempt(RecordingAttempt):
+    """Answers ``echo TEXT`` with ``TEXT``, every other command with no output."""
+
+    def run_command(self, command: str) -> Outcome:
+        self.commands.append(command)
+        return Outcome(command.removeprefix("echo ") + "\n" if command.startswith("echo ") else "")

@@ -1,7 +1,8 @@
 """An attempt's logs: every call the gateway answered or refused and every command the harness ran in the sandbox.
 
 One directory per attempt (``<log dir>/update-<k>/<group>/<trajectory>/``, the group id's ``/`` written as ``_``):
-``calls.jsonl`` (turn, segment, policy version, prompt and sampled token counts, the reply's finish reason),
+``calls.jsonl`` (turn, segment, policy version, prompt token counts, the sampled ids and their log-probs, the
+finish reason),
 ``commands.jsonl`` (the command as run in the attempt's sandbox, exit code, limits hit, seconds, the output's tail),
 ``refusals.jsonl`` (the code and message of each refused call) and ``harness.log`` (the harness process's output).
 Without a directory nothing is written.
@@ -50,7 +51,8 @@ class AttemptLog:
                 "policy_version": turn.policy_version,
                 "prompt_tokens": len(continuation.prompt_ids),
                 "new_prompt_tokens": len(continuation.new_ids),
-                "sampled_tokens": len(turn.action_token_ids),
+                "sampled_ids": list(turn.action_token_ids),
+                "logprobs": list(turn.action_logprobs),
                 "finish_reason": turn.finish_reason,
                 "seconds": round(seconds, 4),
             },

@@ -15,7 +15,9 @@ never imports tslightning, and needs nothing but mini-swe-agent and the standard
   ``model_kwargs: {api_base: OPENAI_BASE_URL, api_key: OPENAI_API_KEY}`` — litellm's ordinary settings for an
   OpenAI-compatible server — and ``step_limit: TSLIGHTNING_MAX_TURNS``. Its trajectory is saved as
   ``trajectory.json`` in the working directory. ``--print-config`` prints the merged configuration as JSON instead
-  (the trainer reads the templates from it, to warm-start the policy in the harness's own format).
+  (the trainer reads the templates from it, to warm-start the policy in the harness's own format). A ``--config``
+  name is looked up as mini-swe-agent looks it up (the working directory, ``MSWEA_CONFIG_DIR`` — by default this
+  file's directory, which holds ``mini_swe_agent_compact.yaml`` — then its own configs).
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ def _quiet_defaults() -> None:
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "MSWEA_COST_TRACKING": "ignore_errors",
         "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+        "MSWEA_CONFIG_DIR": str(Path(__file__).parent),  # finds mini_swe_agent_compact.yaml beside this file
     }.items():
         os.environ.setdefault(name, value)
 
