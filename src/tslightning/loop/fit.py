@@ -36,6 +36,7 @@ from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.batch_replay import RecordedBatches
+from tslightning.loop.harness import start_harness, warm_start_format
 from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
 from tslightning.loop.run_config import resolved_config
@@ -55,9 +56,7 @@ from tslightning.loop.startup import (
     prepare_policy,
     rollout_datamodule,
     start_engine,
-    start_harness,
     start_teacher,
-    warm_start_format,
 )
 from tslightning.loop.updates import (
     FitResult,

@@ -23,10 +23,6 @@ from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_e
 from tslightning.loop.warm_start import supervised_warm_start
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
-from tslightning.rollout.gateway import HarnessAgent, HarnessProgram, OpenAIGateway
-from tslightning.rollout.gateway.conversation import ChatTokens
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
-from tslightning.rollout.gateway.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
 from tslightning.rollout.observation import ObservationWindow
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
@@ -148,8 +144,8 @@ def prepare_policy(
     no warm start — the checkpoint holds the warm-started and trained weights, published to the replicas before update
     k + 1 samples anything — and the run's ``policy-0`` is kept as it is. Returns the policy in the learner dtype (LoRA
     wrapped when asked), its tokenizer and ``policy-0``. ``demonstration_format`` (tokenizer → format) lays the warm
-    start's demonstrations out as a harness's attempts reach the learner (:func:`warm_start_format`); ``None``: the
-    built-in agent loop's layout.
+    start's demonstrations out as a harness's attempts reach the learner
+    (:func:`tslightning.loop.harness.warm_start_format`); ``None``: the built-in agent loop's layout.
     """
     policy_dir = out / "policy-0"
     with agreed_by_ranks("set-up: building the initial policy on global rank 0"):
@@ -365,7 +361,7 @@ def rollout_datamodule(
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
     agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores), and terminal tasks'
     environments prefetched (``rollout.prefetch_environments``) up to update ``updates``; ``agent`` acts in each
-    attempt (a harness, :func:`start_harness`; ``None``: the built-in agent loop)."""
+    attempt (a harness, :func:`tslightning.loop.harness.start_harness`; ``None``: the built-in agent loop)."""
     return RolloutDataModule(
         engine,
         tokenizer,
@@ -383,39 +379,6 @@ def rollout_datamodule(
         prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
         agent=agent,
     )
-
-
-def warm_start_format(harness: HarnessSettings):
-    """The warm start's layout for ``harness`` (tokenizer → format), or ``None`` for the built-in loop's: mini-swe-agent
-    demonstrates in its own configuration's messages (read through its interpreter)."""
-    if harness.name != "mini_swe_agent":
-        return None
-    config = mini_swe_agent_config(harness.python, harness.configs)
-    return lambda tokenizer: MiniSweAgentFormat(ChatTokens(tokenizer), config)
-
-
-def start_harness(
-    harness: HarnessSettings, engine, tokenizer, rollout: RolloutSettings, policy_config, seed: int, objective: str, out
-) -> HarnessAgent:
-    """This rank's gateway in front of ``engine`` (started, on ``harness.host``, at a port the OS picks unless
-    ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. GRPO refuses
-    a rewritten history, OPD cuts it into segments (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
-    gateway = OpenAIGateway(
-        engine,
-        tokenizer,
-        agent_limits(rollout, policy_config),
-        seed,
-        model_name=harness.model_name,
-        host=harness.host,
-        port=harness.port,
-        allow_segments=objective == "opd",
-        max_concurrent_commands=rollout.max_concurrent_attempts,
-    ).start()
-    if harness.name == "mini_swe_agent":
-        program = mini_swe_agent_program(harness.python, harness.configs, harness.timeout_s)
-    else:
-        program = HarnessProgram(list(harness.command), timeout_s=harness.timeout_s)
-    return HarnessAgent(gateway, program, Path(harness.log_dir) if harness.log_dir else Path(out) / "attempts")
 
 
 def _build_image(task: TerminalTask) -> str | None:
