@@ -105,6 +105,9 @@ def test_refusals_are_openai_errors_the_client_raises(served):
         with pytest.raises(error) as refused:
             client.chat.completions.create(**{"model": MODEL, "messages": [SYSTEM, USER], **change})
         assert refused.value.code == code, change
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=[5, 10**6])
+    assert refused.value.code == "invalid_value" and refused.value.param == "prompt"
     assert session.trajectory.turns == []  # nothing refused was sampled
 
     messages = [SYSTEM, USER]

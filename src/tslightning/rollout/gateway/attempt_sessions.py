@@ -7,6 +7,9 @@ ordinary ``api_key`` setting), or — for a client that can only be given a base
 sandboxed commands have no network, and never see the harness's environment), so no call can act for another
 attempt.
 
+**Turns.** Each answered call is one turn; an attempt's calls are answered one at a time, in the order they arrive
+(a harness that sends several at once gets them as successive turns).
+
 **Limits.** An attempt answers at most ``max_turns`` calls and ``max_tokens_per_trajectory`` sampled tokens, each call
 at most ``max_tokens_per_turn`` (less if the caller asks), within ``max_context_tokens`` of context and a first prompt
 of at most ``max_prompt_tokens`` (Table 6, as the built-in agent loop). A call beyond a limit, or for an attempt that

@@ -13,7 +13,8 @@ by default, plus tslightning's:
 ``TSLIGHTNING_MAX_TURNS``       calls the attempt answers (a harness may use it as its step limit)
 =============================== ==============================================================================
 
-Its working directory is the attempt's log directory (or a temporary one), its stdout and stderr go to
+It inherits the trainer's environment but for the learner rank's torch.distributed variables. Its working
+directory is the attempt's log directory (or a temporary one), its stdout and stderr go to
 ``harness.log`` there. It is ended — its whole process group — when it exceeds ``timeout_s``. Nothing it prints or
 returns decides the reward: the trainer runs the task's verifier after it ends.
 """
@@ -33,6 +34,19 @@ __all__ = ["HarnessConnection", "HarnessExit", "HarnessProgram"]
 
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL for a harness that overran its time."""
+LEARNER_RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+"""The learner rank's torch.distributed variables: not the harness's (a harness that uses torch stays out of the
+learners' process group)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,8 @@ class HarnessProgram:
             directory.mkdir(parents=True, exist_ok=True)
             instruction_file = directory / "instruction.md"
             instruction_file.write_text(instruction)
-            environment = {**os.environ, **self.environment, **connection.environment(instruction_file)}
+            inherited = {k: v for k, v in os.environ.items() if k not in LEARNER_RANK_VARIABLES}
+            environment = {**inherited, **self.environment, **connection.environment(instruction_file)}
             output = directory / "harness.log"
             with output.open("ab") as log:
                 process = await asyncio.create_subprocess_exec(

@@ -116,6 +116,8 @@ class OpenAIGateway:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout_s)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
+            if not self._thread.is_alive():
+                self._loop.close()
         self._tools.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> OpenAIGateway:
@@ -225,11 +227,16 @@ class OpenAIGateway:
     async def _turn(self, session: AttemptSession, call: CallRequest) -> Answer:
         """Sample one turn of ``session`` at its policy version and record it."""
         prompt = self.chat.render(call.prompt) if call.chat else call.prompt
+        vocabulary = len(self.chat.tokenizer)
+        if not isinstance(prompt, str) and not all(0 <= t < vocabulary for t in prompt):
+            raise GatewayError(400, "invalid_value", f"prompt ids must lie in [0, {vocabulary})", "prompt")
         request = session.plan_turn(self.chat, prompt, call.max_tokens)
         await self._wait_for_version(session)
         start = time.perf_counter()
         try:
             generation = await asyncio.wrap_future(self.engine.submit(request))
+        except ValueError as error:  # the engine refused the request as asked (nothing was sampled)
+            raise GatewayError(400, "invalid_request", str(error)) from error
         except Exception as error:  # the engine failed: the attempt, and with it the rollout, must fail
             session.failure = f"the rollout engine failed a call of attempt {session.label}: {error}"
             raise GatewayError(500, "engine_error", session.failure) from error
@@ -246,7 +253,7 @@ class OpenAIGateway:
             text=content if call.chat else text,
             token_ids=generation.token_ids,
             logprobs=generation.logprobs,
-            token_texts=tuple(self.chat.tokenizer.decode([t]) for t in generation.token_ids),
+            token_texts=tuple(self.chat.tokenizer.decode([t]) for t in generation.token_ids) if call.logprobs else (),
             finish_reason=generation.finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
             policy_version=generation.policy_version,

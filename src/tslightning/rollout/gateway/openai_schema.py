@@ -64,6 +64,7 @@ class Answer:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     token_texts: tuple[str, ...]
+    """Each sampled id's text (only when log-probs were asked for)."""
     finish_reason: str
     prompt_tokens: int
     policy_version: int
