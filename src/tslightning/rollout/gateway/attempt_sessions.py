@@ -83,16 +83,7 @@ class AttemptSession:
         """The next call's generation request, or :class:`GatewayError` for a closed attempt or a limit reached."""
         if self.closed:
             raise GatewayError(403, "attempt_closed", f"attempt {self.label} is closed: it takes no more calls")
-        turn, limits = len(self.trajectory.turns), self.limits
-        if turn >= limits.max_turns:
-            self._refuse(403, "turn_limit_exceeded", "max_turns", f"the attempt's {limits.max_turns} turns are used")
-        if self.generated >= limits.max_tokens_per_trajectory:
-            self._refuse(
-                403,
-                "token_limit_exceeded",
-                "trajectory_token_limit",
-                f"the attempt's {limits.max_tokens_per_trajectory} sampled tokens are used",
-            )
+        self._check_budgets()
         continuation = chat.continuation(self.segment, prompt)
         if continuation.new_segment and self.segment is not None and not self.allow_segments:
             self._refuse(
@@ -102,24 +93,28 @@ class AttemptSession:
                 f"this call rewrites the attempt's history (it leaves the earlier conversation at position "
                 f"{continuation.divergence}); under GRPO a trajectory is one causal sequence, so the attempt ends here",
             )
-        self._check_context(continuation, turn)
+        self._check_context(continuation)
+        self.pending = continuation
+        return self._request(chat, continuation, cap)
+
+    def _request(self, chat: ChatTokens, continuation: Continuation, cap: int | None) -> GenerationRequest:
+        """The call's request: the largest budget every limit allows, seeded like the built-in loop's turn."""
+        trajectory, limits, turn = self.trajectory, self.limits, len(self.trajectory.turns)
         budget = min(
             cap or limits.max_tokens_per_turn,
             limits.max_tokens_per_turn,
             limits.max_tokens_per_trajectory - self.generated,
             limits.max_context_tokens - len(continuation.prompt_ids),
         )
-        self.pending = continuation
+        seed = sampling_seed(self.run_seed, trajectory.update, trajectory.task_id, trajectory.trajectory_index, turn)
         return GenerationRequest(
-            request_id=f"{self.trajectory.group_id}/{self.trajectory.trajectory_index}/{turn}",
+            request_id=f"{trajectory.group_id}/{trajectory.trajectory_index}/{turn}",
             prompt_token_ids=continuation.prompt_ids,
             max_tokens=budget,
-            seed=sampling_seed(
-                self.run_seed, self.trajectory.update, self.trajectory.task_id, self.trajectory.trajectory_index, turn
-            ),
+            seed=seed,
             temperature=limits.temperature,
             stop_token_ids=(chat.end_of_turn,),
-            session=f"{self.trajectory.group_id}/{self.trajectory.trajectory_index}",
+            session=f"{trajectory.group_id}/{trajectory.trajectory_index}",
         )
 
     def record(self, chat: ChatTokens, generation: Generation, seconds: float) -> tuple[AgentTurn, str, str]:
@@ -140,9 +135,21 @@ class AttemptSession:
         t = self.trajectory
         return f"({t.group_id!r}, {t.trajectory_index})"
 
-    def _check_context(self, continuation: Continuation, turn: int) -> None:
+    def _check_budgets(self) -> None:
+        limits = self.limits
+        if len(self.trajectory.turns) >= limits.max_turns:
+            self._refuse(403, "turn_limit_exceeded", "max_turns", f"the attempt's {limits.max_turns} turns are used")
+        if self.generated >= limits.max_tokens_per_trajectory:
+            self._refuse(
+                403,
+                "token_limit_exceeded",
+                "trajectory_token_limit",
+                f"the attempt's {limits.max_tokens_per_trajectory} sampled tokens are used",
+            )
+
+    def _check_context(self, continuation: Continuation) -> None:
         limits, length = self.limits, len(continuation.prompt_ids)
-        if turn == 0 and length > limits.max_prompt_tokens:
+        if not self.trajectory.turns and length > limits.max_prompt_tokens:
             self._refuse(
                 400,
                 "context_length_exceeded",

@@ -14,8 +14,11 @@ trajectory (Eq. 4): S_i = Σ_s Σ_{t∈M_{i,s}} log π(a_t | h_{i,s,t}) / (P·L_
 scored tokens, folded once with r_i — one score over several causal sequences, which the learner's
 :class:`~tslightning.core.sources.TrajectorySource` (one sequence) cannot carry. So under GRPO the gateway refuses
 the call that would start a second segment (the attempt ends there, nothing of it was sampled) and every GRPO
-trajectory is one segment: the exact update of the paper's objective over everything sampled, never a stand-in
-context for it (see :class:`~tslightning.rollout.gateway.attempt_sessions.AttemptSession`).
+trajectory is one segment: every sampled token is scored under the context it was sampled in, and the verifier's
+reward r_i judges the environment those sampled actions alone left — the exact update of the paper's objective over
+everything sampled, never a stand-in context for it
+(see :class:`~tslightning.rollout.gateway.attempt_sessions.AttemptSession`). Folding several segments into one GRPO
+source needs the learner to take a source of several causal sequences (each scored, summed, divided by P·L_i once).
 """
 
 from __future__ import annotations
