@@ -33,3 +33,17 @@ def test_each_rank_starts_its_own_gateway_on_loopback_and_the_harness_program(to
         for agent in agents:
             agent.close()
     assert warm_start_format(harness) is None and warm_start_format(HarnessSettings()) is None
+
+
+def test_preflight_names_a_harness_that_cannot_run_before_anything_is_written():
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.preflight import harness_problems
+    from tslightning.loop.settings import WarmStartSettings
+
+    run = ("grpo", "thundersync", "recompute", RolloutSettings(), WarmStartSettings())
+    no_mini = HarnessSettings(name="mini_swe_agent", python=sys.executable)  # this environment has no mini-swe-agent
+    (problem,) = harness_problems(no_mini, *run, LearnerSettings())
+    assert problem.startswith(f"harness.python {sys.executable} cannot run mini-swe-agent")
+    fixed_port = HarnessSettings(name="command", command=[sys.executable], port=8765)
+    (problem,) = harness_problems(fixed_port, *run, LearnerSettings(devices=2))
+    assert problem.startswith("harness.port 8765: each of the node's 2 learner ranks runs its own gateway")

@@ -128,7 +128,7 @@ def preflight(
     )
     problems += replay
     harness = harness or HarnessSettings()
-    problems += harness_problems(harness, objective, schedule, context_backward, rollout, warm_start)
+    problems += harness_problems(harness, objective, schedule, context_backward, rollout, warm_start, learner)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
     error = settings_error(problems + tasks.problems, missing + tasks.missing)
@@ -144,9 +144,15 @@ def harness_problems(
     context_backward: str,
     rollout: RolloutSettings,
     warm_start: WarmStartSettings,
+    learner: LearnerSettings,
 ) -> list[str]:
     """``harness``'s settings for this run, and for mini-swe-agent that its interpreter runs it with its configs."""
     problems = harness.problems(objective, schedule, context_backward, rollout.environment, warm_start.steps)
+    if harness.enabled and harness.port and learner.devices > 1:
+        problems.append(
+            f"harness.port {harness.port}: each of the node's {learner.devices} learner ranks runs its own gateway; "
+            "set harness.port 0 (the OS picks a free port per rank)"
+        )
     if harness.name == "mini_swe_agent" and not problems:
         try:
             mini_swe_agent_config(harness.python, harness.configs)
