@@ -6,6 +6,7 @@ calls, or overruns its time, is reported and ended with its process group."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -60,6 +61,31 @@ def test_a_harness_attempt_is_a_trajectory_of_its_calls_with_the_verifiers_rewar
     assert len(set(seeds)) == 2 and engine.requests[0].session == "u0/p0/count/1"
     logs = tmp_path / "update-0" / "u0_p0_count" / "1"
     assert {p.name for p in logs.iterdir()} >= {"calls.jsonl", "commands.jsonl", "harness.log"}
+
+
+def test_a_harness_command_runs_in_the_tasks_sandbox_and_its_verifier_rewards_the_attempt(tokenizer, tmp_path):
+    """A real attempt (bubblewrap, the shipped count-lines task): the command runs in /app of the task's sandbox,
+    never in the harness's directory on the host, and the task's own verifier scores what it left."""
+    from tslightning.tasks.task_attempt import TerminalTaskAttempt
+    from tslightning.tasks.terminal_task import TerminalTask
+    from tslightning.tasks.validation import library_dir
+
+    command = "cat log.txt | wc -l > count.txt; pwd; ls /"
+    program = HarnessProgram(SCRIPTED, environment={"SCRIPTED_COMMAND": command}, timeout_s=120)
+    agent, _ = _agent(tokenizer, program, tmp_path)
+    task = TerminalTask.load(library_dir() / "count-lines")
+    try:
+        with TerminalTaskAttempt(task, command_timeout_s=20) as attempt:
+            trajectory = asyncio.run(agent.run("count-lines", task.instruction, attempt, "g", 0, 0))
+            verdict = attempt.verification
+    finally:
+        agent.close()
+    logs = tmp_path / "update-0" / "g" / "0"
+    (ran,) = [json.loads(line) for line in (logs / "commands.jsonl").read_text().splitlines()]
+    assert ran["command"] == command and ran["exit_code"] == 0
+    assert ran["output_tail"].startswith("/app\n") and "home" not in ran["output_tail"].split()  # the sandbox's root
+    assert not (logs / "count.txt").exists()  # not run where the harness runs
+    assert trajectory.reward == verdict.reward > 0 and verdict.passed_fraction == 1.0
 
 
 def test_a_rewriting_harness_ends_its_grpo_attempt_at_the_rewrite(tokenizer):
