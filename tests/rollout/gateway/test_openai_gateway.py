@@ -186,3 +186,12 @@ def test_grpo_refuses_a_rewritten_history_and_opd_cuts_a_segment(tokenizer):
             assert trajectory.scored_mask(only_turn=1).sum() == len(sampled)
             with pytest.raises(ValueError, match="2 segments"):
                 trajectory.trajectory_source()
+
+
+def test_a_port_in_use_is_refused_at_start_and_leaves_no_thread(served, tokenizer):
+    gateway, engine = served
+    port = int(gateway.url.rsplit(":", 1)[1])
+    second = OpenAIGateway(engine, tokenizer, LIMITS, port=port)
+    with pytest.raises(OSError):
+        second.start()
+    assert not second._thread.is_alive()

@@ -104,13 +104,17 @@ class OpenAIGateway:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 30.0) -> OpenAIGateway:
-        """Listen (returns once the socket is bound)."""
+        """Listen (returns once the socket is bound; a port that cannot be bound raises, leaving nothing running)."""
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout_s)
+        try:
+            asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout_s)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop listening, refuse every open attempt's further calls, stop the loop. Idempotent."""
+        """Stop listening (later calls find no server) and stop the gateway's thread. Idempotent."""
         if self._thread.is_alive():
             if self._runner is not None:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout_s)
