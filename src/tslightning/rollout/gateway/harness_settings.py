@@ -3,10 +3,8 @@ that speaks the OpenAI API — and the gateway it talks to (README: Train your o
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 __all__ = ["HarnessSettings"]
@@ -85,8 +83,8 @@ class HarnessSettings:
                 "harness.python: give the interpreter of the environment mini-swe-agent is installed in "
                 "(scripts/setup.sh makes .venv-mini-swe-agent: harness.python .venv-mini-swe-agent/bin/python)"
             ]
-        if not (Path(self.python).is_file() and os.access(self.python, os.X_OK)):
-            return [f"harness.python {self.python} is not an executable file; give mini-swe-agent's interpreter"]
+        if shutil.which(self.python) is None:
+            return [f"harness.python {self.python} is not an executable program; give mini-swe-agent's interpreter"]
         return []
 
     def _harness_only(self) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 def mini_swe_agent_program(python: str, configs: Sequence[str] = (), timeout_s: float = 900.0) -> HarnessProgram:
     """mini-swe-agent on one attempt, run by ``python`` with its configuration merged from ``configs``."""
     options = [part for config in configs for part in ("--config", str(config))]
-    return HarnessProgram([str(Path(python).absolute()), str(RUNNER), *options], timeout_s=timeout_s)
+    return HarnessProgram([_interpreter(python), str(RUNNER), *options], timeout_s=timeout_s)
 
 
 def mini_swe_agent_config(python: str, configs: Sequence[str] = (), timeout_s: float = 120.0) -> dict[str, Any]:
@@ -48,7 +49,7 @@ def mini_swe_agent_config(python: str, configs: Sequence[str] = (), timeout_s: f
     options = [part for config in configs for part in ("--config", str(config))]
     try:
         done = subprocess.run(
-            [str(Path(python).absolute()), str(RUNNER), "--print-config", *options],
+            [_interpreter(python), str(RUNNER), "--print-config", *options],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -105,6 +106,12 @@ class MiniSweAgentFormat:
         """What mini-swe-agent's templates see at an attempt's start (agent config, machine, counters, task)."""
         counters = {"n_model_calls": 0, "model_cost": 0.0, "elapsed_seconds": 0}
         return {**self.config["agent"], **platform.uname()._asdict(), **counters, "task": task}
+
+
+def _interpreter(python: str) -> str:
+    """``python`` as an absolute path (the harness runs in another directory), found on ``PATH`` if it is a name;
+    a virtual environment's interpreter is kept as its link, so it runs in that environment."""
+    return str(Path(python).absolute()) if "/" in python else shutil.which(python) or python
 
 
 def _action_block(action: str) -> str:
