@@ -1,6 +1,6 @@
 """The package layout's dependency direction (issue 14): imports only go down the layers, and no module cycles.
 
-commands → loop → callbacks → learner / rollout → distributed → core / tasks → objectives / measure / sandbox /
+commands → loop → callbacks → learner / rollout → distributed / measure → core / tasks → objectives / sandbox /
 models. Every import counts, function-level (lazy) ones included.
 """
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "tslightning"
 
 LAYER = {
     "objectives": 0,
-    "measure": 0,
+    "measure": 2,
     "sandbox": 0,
     "models": 0,
     "core": 1,

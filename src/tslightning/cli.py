@@ -16,16 +16,15 @@ from jsonargparse import ArgumentError, ArgumentParser, auto_parser, set_dumper,
 
 from tslightning.commands.evaluation import format_report
 from tslightning.commands.evaluation import validate as run_validation
-from tslightning.commands.plan import plan_report
 from tslightning.commands.task_directories import tasks_migrate, tasks_toolchain, tasks_validate
 from tslightning.commands.verification import DTypeName
 from tslightning.commands.verification import verify as run_verification
 from tslightning.loop.fit import fit
-from tslightning.loop.learner_shape import learner_shape, policy_config
+from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.run_config import yaml_text
 from tslightning.loop.settings import SettingsError
 from tslightning.measure.analytical_model import SpeedupModelParameters
-from tslightning.measure.memory_plan import plan_learner_memory
+from tslightning.measure.memory_plan import plan_report
 from tslightning.sandbox import SandboxUnavailableError
 
 _BARE_FLAGS = ("--json", "--overwrite")
@@ -240,10 +239,12 @@ def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str 
     arguments = cli.instantiate(cli.parse_args(["fit", "--config", _config_file(fit_config)]))["fit"]
     config = policy_config(arguments["model"], model_config)
     learner = arguments["learner"]
-    model, rollout, cap = arguments["model"], arguments["rollout"], arguments["group_admission_cap"]
-    shape = learner_shape(config, arguments["objective"], model, rollout, learner, cap)
-    memory = plan_learner_memory(config, shape)
-    print(plan_report(memory, shape, gpu_memory_gb, learner.activation_checkpointing))
+    available = None if gpu_memory_gb is None else int(gpu_memory_gb * 2**30)
+    planned = planned_memory(
+        config, arguments["objective"], arguments["schedule"], arguments["model"], arguments["rollout"], learner,
+        arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
+    )  # fmt: skip
+    print(plan_report(planned.plan, planned.shape, gpu_memory_gb, learner.activation_checkpointing))
 
 
 COMMANDS = {

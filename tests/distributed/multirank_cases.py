@@ -8,7 +8,9 @@ the test computes in its own process.
 
 Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), optionally followed by ``-sharded``
 (``shard_statistics``), ``-spread`` (GRPO groups dealt over the ranks by trajectory), ``-odd`` (an MLP width of
-255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``) and an advantage estimator
+255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``), ``-queue`` (``fold_queue_depth=2``),
+``-deep`` (12 decoder layers), ``-whole`` (one gradient unit: the whole gradient at once), ``-lora`` (peft LoRA
+adapters on q/v, each an FSDP2 unit of its own) and an advantage estimator
 (``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
@@ -35,9 +37,12 @@ from tslightning.learner.precision import compute_norms_in_float64
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
+DEEP_LAYERS = 12
+"""Decoder layers of the ``-deep`` policy (the memory measurement: many units, none dominant)."""
 SHAPE = WorkloadShape(num_groups=5, group_size=3, max_turns=2, prompt_tokens=(4, 10), observation_tokens=(2, 6))
 UPDATES = 2
-TIMEOUT_S = 30
+TIMEOUT_S = int(os.environ.get("MULTIRANK_TIMEOUT_S", "30"))
+"""Process-group timeout of the cases (seconds); a loaded machine running them locally may raise it."""
 DTYPES = {
     "ddp": torch.float64,
     "fsdp": torch.float64,
@@ -58,9 +63,18 @@ def make_batches(objective: str, dtype: torch.dtype) -> list:
     return [synthetic_opd_batch(vocab, k, generator, teacher, SHAPE) for k in range(UPDATES)]
 
 
-def make_policy(dtype: torch.dtype, intermediate_size: int = 256) -> torch.nn.Module:
-    config = TinyModelConfig(seed=0, intermediate_size=intermediate_size)
-    return _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
+def make_policy(
+    dtype: torch.dtype, intermediate_size: int = 256, layers: int = 2, lora: bool = False
+) -> torch.nn.Module:
+    config = TinyModelConfig(seed=0, intermediate_size=intermediate_size, num_hidden_layers=layers)
+    policy = _in_dtype(build_tiny_model(config, build_tokenizer()), dtype)
+    if not lora:
+        return policy
+    from peft import LoraConfig, get_peft_model
+
+    adapters = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(3)  # the adapters' initial values: the same on every rank and in the reference
+    return get_peft_model(policy, adapters)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -74,10 +88,13 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
     objective, schedule, *options = case.split("-")
     sharded = "sharded" in options
-    advantage = next((option for option in options if option not in ("sharded", "spread", "odd", "cap1")), "grpo")
+    flags = ("sharded", "spread", "odd", "cap1", "queue", "deep", "whole", "lora")
+    advantage = next((option for option in options if option not in flags), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
-        make_policy(dtype, 255 if "odd" in options else 256),
+        make_policy(
+            dtype, 255 if "odd" in options else 256, DEEP_LAYERS if "deep" in options else 2, "lora" in options
+        ),
         objective,
         schedule,
         advantage,
@@ -85,7 +102,10 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         accumulator_dtype=dtype,
         shard_statistics=sharded,
         group_admission_cap=1 if "cap1" in options else None,
+        fold_queue_depth=2 if "queue" in options else 0,
     )
+    if "whole" in options:  # one gradient unit: the whole gradient at once, as the learner held it before units
+        module.layout.units = [list(range(len(module.layout.parameters)))]
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
     record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": [], "held": []}
@@ -106,27 +126,30 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         record["held"].append((module.last_update.peak_held_numel, shard_numel, module.layout.numel))
         record["thetas"].append(full_values(module))
         record["units_per_rank"].append(assignment.units_per_rank())
+    record["peak_unit_numel"] = module.placement.units.peak_live_numel
+    record["peak_exchange_numel"] = getattr(module.shards, "peak_exchange_numel", None)
     return record
 
 
 def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
     """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``; under
-    ``fail-pass-sharded``, with sharded statistics, its pass raises after staging its gradient)."""
+    ``fail-pass-sharded``, with sharded statistics, its pass raises in the middle of its backward, after exchanging a
+    unit)."""
     module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", shard_statistics="sharded" in case)
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module)
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
     if case == "fail-pass-sharded" and fabric.global_rank == 1:
-        stage, staged = module.shards.stage, []
+        fold, folded = module.shards.fold_received, []
 
-        def stage_then_fail(contribution, grads) -> None:
-            stage(contribution, grads)
-            staged.append(contribution)
-            if len(staged) == 2:
+        def fold_then_fail(contributions, unit, received) -> None:
+            fold(contributions, unit, received)
+            folded.append(unit)
+            if len(folded) == len(module.layout.units) + 2:  # mid-backward of the second pass, a unit exchanged
                 raise RuntimeError("injected failure in a pass")
 
-        module.shards.stage = stage_then_fail
+        module.shards.fold_received = fold_then_fail
     start = time.perf_counter()
     try:
         with reported_to_ranks(0):
@@ -259,12 +282,12 @@ def full_values(module: StreamingPolicyModule) -> torch.Tensor:
         )
 
 
-def _strategy(name: str):
+def _strategy(name: str, devices: int = 2):
     timeout = timedelta(seconds=TIMEOUT_S)
     if name == "fsdp":
         from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 
-        return learner_strategy(LearnerSettings(devices=2, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
+        return learner_strategy(LearnerSettings(devices=devices, strategy="fsdp", timeout_s=TIMEOUT_S), "cpu")
     if name == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
@@ -275,22 +298,25 @@ def _strategy(name: str):
 
 
 def main(out: str, strategy: str, *cases: str) -> None:
+    """``STRATEGY`` may name a rank count, ``fsdp:1`` (default 2 ranks); results go under ``OUT/STRATEGY``."""
     import lightning as L
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(strategy))
+    name, _, devices = strategy.partition(":")
+    devices = int(devices or 2)
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=_strategy(name, devices))
     fabric.launch()
     for case in cases:
         target = Path(out) / strategy / case
         target.mkdir(parents=True, exist_ok=True)
         try:
             if case.endswith("-ingest") or case.startswith("fail-"):
-                record = failing_case(case, fabric, DTYPES[strategy])
+                record = failing_case(case, fabric, DTYPES[name])
             elif case == "publish-every-rank":
                 record = publishing_case(fabric)
             elif case == "publish-shared":
                 record = shared_publishing_case(fabric)
             else:
-                record = run_case(case, fabric, DTYPES[strategy])
+                record = run_case(case, fabric, DTYPES[name])
         except Exception:
             record = {"crash": traceback.format_exc()}
         torch.save(record, target / f"rank{fabric.global_rank}.pt")

@@ -26,7 +26,8 @@ def _keys(sources: list[TrajectorySource]) -> list[tuple[str, int]]:
 
 def _shards(world_size: int) -> StatisticsShards:
     layout = ParameterLayout([torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))])
-    return StatisticsShards(layout, AdvantageEstimator.GRPO, GRPO_EPSILON, torch.float64, world_size, 0)
+    grpo = (Objective.GRPO, AdvantageEstimator.GRPO, GRPO_EPSILON, torch.float64)
+    return StatisticsShards(layout, *grpo, world_size=world_size, rank=0)
 
 
 def test_admission_follows_plan_order_and_the_global_closes():

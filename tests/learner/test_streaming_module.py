@@ -107,15 +107,15 @@ def uniform_groups_of(batch: ReplayBatch) -> set[str]:
 def snapshot(module: StreamingPolicyModule) -> dict:
     """Every piece of learner state an ingested item or a barrier can touch, copied."""
     registry = module._registry
+    groups, turns = module.groups, module.turns  # one of them, the objective's
     return {
-        "batch": module.groups.batch.clone(),
+        "batch": module.statistics.accumulator.clone(),
         "open_groups": {
             gid: (s.size, s.shift, s.g1.clone(), s.g2.clone(), list(s.rewards))
-            for gid, s in module.groups._open.items()
+            for gid, s in (groups._open.items() if groups is not None else ())
         },
-        "peak_held_numel": module.groups.peak_held_numel,
-        "turns_total": module.turns.total.clone(),
-        "turns_num_tokens": module.turns.num_tokens,
+        "peak_held_numel": module.statistics.peak_held_numel,
+        "turns_num_tokens": turns.num_tokens if turns is not None else 0,
         "num_waiting": module.admission.num_waiting,
         "admission_open": sorted(module.admission.open),
         "admission_waiting": [(g, [id(i) for i in items]) for g, items in module.admission._waiting.items()],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 import tslightning.loop.startup as startup
 from tslightning import cli
@@ -252,17 +253,38 @@ def test_a_launcher_world_of_another_size_is_refused_before_anything_is_written(
     assert "launcher started 3 ranks" in capsys.readouterr().err and not out.exists()
 
 
-def test_device_statistics_that_cannot_fit_the_gpu_name_the_settings_to_change():
+def test_a_run_that_cannot_fit_the_gpu_names_the_settings_to_change():
     from tslightning.distributed.learner_strategy import LearnerSettings
-    from tslightning.loop.preflight import statistics_problems
+    from tslightning.loop.preflight import memory_problems
     from tslightning.loop.settings import ModelSettings, RolloutSettings
 
     learner = LearnerSettings(statistics_device="device")
-    rollout = RolloutSettings(prompts_per_update=4)
-    (problem,) = statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=10 * 2**20)
-    assert problem.startswith("learner.statistics_device: device holds 4 open group(s)' G1/G2") and "host" in problem
-    assert statistics_problems("grpo", ModelSettings(), rollout, learner, 4, device_bytes=2**30) == []
-    assert statistics_problems("grpo", ModelSettings(), rollout, LearnerSettings(), 4, device_bytes=1) == []  # host
+    rollout = RolloutSettings(prompts_per_update=4, max_context_tokens=256)
+    args = ("grpo", "thundersync", ModelSettings(), rollout)
+    (problem,) = memory_problems(*args, learner, 4, 8, device_bytes=10 * 2**20)
+    assert problem.startswith("learner: each rank needs ") and "learner.statistics_device: host" in problem
+    assert memory_problems(*args, learner, 4, 8, device_bytes=2**30) == []
+    assert memory_problems(*args, learner, 4, 8, device_bytes=None) == []  # a CPU learner: nothing to check
+
+
+def test_auto_statistics_go_to_the_device_when_the_plan_fits_there_else_to_the_host():
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.learner_shape import planned_memory, policy_config
+    from tslightning.loop.settings import ModelSettings, RolloutSettings
+
+    model, rollout = ModelSettings(), RolloutSettings(prompts_per_update=4, max_context_tokens=256)
+    config = policy_config(model)
+
+    def planned(available):
+        return planned_memory(config, "grpo", "thundersync", model, rollout, LearnerSettings(), 4, 8, available)
+
+    roomy, host_only, cpu = planned(2**30), None, planned(None)
+    assert roomy.statistics_device == "device" and roomy.fits
+    on_device = roomy.plan.device_bytes(False)
+    host_only = planned(on_device - 1)
+    assert host_only.statistics_device == "host" and host_only.fits  # the statistics moved off the device
+    assert host_only.plan.device_bytes(False) <= on_device - roomy.plan.statistics
+    assert cpu.statistics_device == "host"  # one memory on a CPU learner: no copies
 
 
 def test_shard_statistics_under_a_strategy_that_cannot_shard_them_is_refused_before_anything_is_written(
@@ -318,3 +340,35 @@ def test_several_ranks_may_share_vllm_servers_and_only_sharded_lora_is_refused(s
     assert problems(ModelSettings()) == []  # several learner ranks on the same servers
     lora = problems(ModelSettings(lora=LoraSettings()))
     assert lora == ([] if strategy == "ddp" else [BAD_INPUTS["shared-servers-lora-fsdp"][1]])
+
+
+def test_fit_on_a_gpu_prints_the_plan_and_places_the_statistics_by_it(monkeypatch, caplog):
+    """What ``fit`` does on an accelerator at start, with the device faked: rank 0 prints the per-rank plan, and
+    ``statistics_device: auto`` goes where the plan fits."""
+    import importlib
+    import logging
+    from types import SimpleNamespace
+
+    from tslightning.distributed.learner_strategy import LearnerSettings
+    from tslightning.loop.settings import ModelSettings, RolloutSettings
+
+    arguments = {
+        "learner": LearnerSettings(),
+        "model": ModelSettings(),
+        "rollout": RolloutSettings(prompts_per_update=4, max_context_tokens=256),
+        "objective": "grpo",
+        "schedule": "thundersync",
+        "group_admission_cap": 4,
+        "sync_micro_batch_size": 8,
+    }
+    fit_module = importlib.import_module("tslightning.loop.fit")  # the module, not the fit function it exports
+    fabric = SimpleNamespace(device=torch.device("cuda", 0))
+    for memory, expected in ((2**30, "device"), (4 * 2**20, "host")):
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda device, memory=memory: SimpleNamespace(total_memory=memory)
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert fit_module._statistics_device(fabric, arguments) == expected
+        assert f"statistics on the {expected}" in caplog.text and "device peak" in caplog.text
+    assert fit_module._statistics_device(SimpleNamespace(device=torch.device("cpu")), arguments) == "host"

@@ -9,6 +9,8 @@ code path runs against it (not here: ``docker info`` has no engine to answer, an
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,9 +22,10 @@ from tslightning.sandbox import container as container_module
 from tslightning.tasks.container_image import container_image, context_digest
 from tslightning.tasks.task_attempt import TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.terminal_task import TerminalTask
-from tslightning.tasks.validation import unmet_needs
+from tslightning.tasks.validation import unmet_needs, validate_task
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_tasks"
+COOKBOOK = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_cookbook"
 
 FAKE = textwrap.dedent(
     """\
@@ -43,6 +46,8 @@ FAKE = textwrap.dedent(
     elif args[0] == "compose" and "up" in args:
         override = args[[i for i, a in enumerate(args) if a == "--file"][-1] + 1]
         shutil.copy(override, os.path.join(state, "override.json"))
+        with open(os.path.join(state, "compose_env.json"), "w") as env_file:
+            json.dump({{name: os.environ.get(name) for name in ("CPUS", "MEMORY", "CONTEXT_DIR")}}, env_file)
     elif args[0] == "run":
         print("0123456789ab")
     elif args[:2] == ["image", "inspect"]:
@@ -191,13 +196,14 @@ def test_an_attempt_runs_in_the_tasks_container(engine):
 
 def test_helper_containers_run_with_compose_where_the_engine_has_it(engine):
     task = TerminalTask.load(FIXTURES / "helper-db")
-    assert unmet_needs(task, "docker") is None  # `docker compose version` answers
+    assert unmet_needs(task, "docker") is None  # `docker compose version` answers; the engine pulls postgres:16
     with TerminalTaskAttempt(task, make_attempt_sandbox=sandbox_factory("docker"), toolchain=None) as attempt:
         assert attempt.run_command("echo in main").output == "in main\n"
         name, override = attempt.sandbox.name, attempt.attempt.root / ".tsl-compose-override.json"
+        project = ["--project-name", name, "--project-directory", str(task.environment_dir)]
         files = ["--file", str(task.compose_file), "--file", str(override)]
     calls = engine()
-    assert ["docker", "compose", "--project-name", name, *files, "up", "--detach"] in calls
+    assert ["docker", "compose", *project, *files, "up", "--detach", "--wait"] in calls  # healthy first, as Harbor
     assert not any(call[1] == "run" for call in calls)  # no lone container: the project's main service
     assert ["docker", "exec", "--workdir", "/app"] == next(call for call in calls if call[1] == "exec")[:4]
     main = json.loads((engine.state / "override.json").read_text())
@@ -205,8 +211,27 @@ def test_helper_containers_run_with_compose_where_the_engine_has_it(engine):
     service = main["services"]["main"]
     assert service["container_name"] == name and service["image"].startswith("tslightning-task/helper-db:")
     assert service["pids_limit"] > 0 and service["cap_drop"] == ["NET_RAW"] and service["init"] is True
-    down = ["docker", "compose", "--project-name", name, *files, "down", "--volumes", "--remove-orphans"]
+    interpolated = json.loads((engine.state / "compose_env.json").read_text())
+    assert interpolated == {"CPUS": "1", "MEMORY": "2048M", "CONTEXT_DIR": str(task.environment_dir.resolve())}
+    down = ["docker", "compose", *project, *files, "down", "--volumes", "--remove-orphans"]
     assert calls[-1][: len(down)] == down
+
+
+def test_a_helper_that_calls_a_model_api_is_refused_with_an_engine_too(engine):
+    task = TerminalTask.load(COOKBOOK / "simulated-user")
+    status, reasons = unmet_needs(task, "docker")
+    assert status == "needs model API" and "services.user-server.environment: ANTHROPIC_API_KEY" in reasons[0]
+
+
+def test_a_real_engine_runs_a_compose_task():
+    """The same cookbook task with a working engine's own compose (skipped where none answers, as here)."""
+    cli = shutil.which("docker")
+    probe = subprocess.run([cli, "info"], capture_output=True, text=True, timeout=60) if cli else None
+    if probe is None or probe.returncode != 0:
+        why = "no docker CLI" if probe is None else " ".join((probe.stderr or probe.stdout).strip().splitlines()[-1:])
+        pytest.skip(f"no container engine answers `docker info` here: {why}")
+    result = validate_task(COOKBOOK / "multi-container", containers="docker")
+    assert result.status == "valid", result.problems
 
 
 def test_helper_containers_are_refused_where_compose_is_missing(engine, monkeypatch):

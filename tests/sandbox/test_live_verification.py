@@ -16,8 +16,8 @@ from tslightning.sandbox import (
     AttemptDirectory,
     LiveBubblewrapSandbox,
     SandboxLimits,
+    host_launcher,
     live_environment,
-    live_verification,
 )
 from tslightning.sandbox.errors import SandboxError
 from tslightning.sandbox.live_verification import (
@@ -215,7 +215,7 @@ def test_a_verifier_that_cannot_start_beside_runs_after_the_environment_ended(wh
     else:  # the launcher exits before bwrap (a kernel or file system without idmapped mounts)
         failing = tmp_path / "launcher.py"
         failing.write_text("import sys\nsys.exit('tsl-verifier-launcher: could not idmap /app')\n")
-        monkeypatch.setattr(live_verification, "LAUNCHER", failing)
+        monkeypatch.setattr(host_launcher, "LAUNCHER", failing)
     with AttemptDirectory() as directory:
         live = LiveBubblewrapSandbox(directory, limits=SandboxLimits(timeout_s=20))
         try:

@@ -8,6 +8,7 @@ import pytest
 
 from tslightning.tasks import validation
 from tslightning.tasks.environment_needs import base_of, environment_needs
+from tslightning.tasks.stand_in_stages import stand_in_package
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask
 from tslightning.tasks.validation import library_dir, unmet_needs
 
@@ -88,7 +89,8 @@ def test_image_without_dockerfile_and_helper_containers(tmp_path):
     assert environment_needs(_environment(tmp_path / "b", None)).status == "host"
     compose = "services:\n  main:\n    build: .\n  db:\n    image: postgres:16\n"
     needs = environment_needs(_environment(tmp_path / "c", "FROM debian\n", docker_compose_yaml=compose))
-    assert needs.status == "needs helper container" and "services besides the task's own (db)" in needs.reasons[0]
+    assert needs.status == "needs image"
+    assert needs.reasons == ("docker-compose.yaml: services.db.image postgres:16 (no Debian root stands in for it)",)
     separate = environment_needs(_environment(tmp_path / "d", "FROM debian\n"), verifier_mode="separate")
     assert separate.status == "needs helper container"
 
@@ -136,10 +138,28 @@ def test_an_unreadable_dockerfile_names_its_line(tmp_path):
 def test_harbor_main_service_is_the_tasks_own_even_without_a_build(tmp_path):
     # Harbor's base file gives `main` its build; a task's compose file often only adds a built helper to it.
     compose = "services:\n  main:\n    depends_on: [ledger]\n  ledger:\n    build:\n      context: ./ledger\n"
-    needs = environment_needs(_environment(tmp_path / "a", "FROM debian\n", docker_compose_yaml=compose))
-    assert needs.status == "needs helper container"
-    assert needs.reasons == ("docker-compose.yaml: services besides the task's own (ledger)",)
+    environment = _environment(tmp_path / "a", "FROM debian\n", docker_compose_yaml=compose)
+    assert environment_needs(environment).status == "needs helper container"  # no ledger/Dockerfile
+    (environment / "ledger").mkdir()
+    (environment / "ledger" / "Dockerfile").write_text("FROM python:3.12-slim\nRUN pip install flask\n")
+    needs = environment_needs(environment)
+    assert needs.status == "build" and [service.name for service in needs.helpers] == ["ledger"]
+    assert (
+        needs.reasons[0]
+        == "docker-compose.yaml: helper services ledger (each built as its image, beside the task's own)"
+    )
     alone = "services:\n  main:\n    environment: [MODE=test]\n"
-    assert environment_needs(_environment(tmp_path / "b", "FROM debian\n", docker_compose_yaml=alone)).status == "host"
+    only_main = environment_needs(_environment(tmp_path / "b", "FROM debian\n", docker_compose_yaml=alone))
+    assert only_main.status == "host" and only_main.env == {"MODE": "test"}  # main's own environment, no helper
     built = "services:\n  client:\n    build: .\n"  # Terminal-Bench 1's one service builds the task's own image
     assert environment_needs(_environment(tmp_path / "c", "FROM debian\n", docker_compose_yaml=built)).status == "host"
+
+
+def test_astral_uv_image_stands_in_from_its_wheel_any_other_stage_needs_its_image(tmp_path):
+    uv = "FROM python:3.12-slim\nCOPY --from=ghcr.io/astral-sh/uv:latest /uv /uvx /bin/\n"
+    needs = environment_needs(_environment(tmp_path / "a", uv))
+    assert needs.status == "build"
+    assert "Dockerfile:2: COPY --from=ghcr.io/astral-sh/uv:latest (its binaries, from the uv wheel)" in needs.reasons
+    other = environment_needs(_environment(tmp_path / "b", "FROM python:3.12\nCOPY --from=node:20 /usr/bin/node /x\n"))
+    assert other.status == "needs image" and "COPY --from=node:20 (a file from another image)" in other.reasons[0]
+    assert stand_in_package("ghcr.io/astral-sh/uv:0.9.7@sha256:ab") == "uv" and stand_in_package("uv") is None

@@ -46,7 +46,7 @@ def test_named_rewards_all_full_validate_without_a_chosen_key(tmp_path):
 @pytest.mark.parametrize(
     ("name", "status", "reason"),
     [
-        ("helper-db", "needs helper container", "docker-compose.yaml: services besides the task's own (db)"),
+        ("helper-db", "needs image", "docker-compose.yaml: services.db.image postgres:16 (no Debian root stands in"),
         ("service-build", "needs image", "Dockerfile:3: RUN apt-get update && apt-get install -y"),
     ],
 )
@@ -80,9 +80,9 @@ def test_cli_names_what_each_task_needs(tmp_path, capsys):
         cli.main(["tasks", "validate", str(tmp_path), "--reward_key", "correctness", "--workers", "1"])
     assert exit_info.value.code == 1
     captured = capsys.readouterr()
-    assert "needs helper container" in captured.out and "build s" in captured.out and "setup s" in captured.out
-    assert "1/2 tasks valid" in captured.out and "by status: needs helper container 1, valid 1" in captured.out
-    assert "tasks validate: 1 task(s) cannot run here: helper-db (needs helper container)" in captured.err
+    assert "services.db.image postgres:16" in captured.out and "build s" in captured.out and "setup s" in captured.out
+    assert "1/2 tasks valid" in captured.out and "by status: needs image 1, valid 1" in captured.out
+    assert "tasks validate: 1 task(s) cannot run here: helper-db (needs image)" in captured.err
     assert "invalid task(s)" not in captured.err
 
 

@@ -34,14 +34,19 @@ _MARKERS = {FSDP: (".metadata", "meta.pt"), "deepspeed_stage_2": ("latest",), "d
 """Files a complete sharded ``state.pt`` directory holds (what a cheap check before a resume can look for)."""
 
 
-def layout_of(strategy: Any) -> str:
-    """The layout ``strategy`` writes: ``fsdp`` for ``ModelParallelStrategy``, ``deepspeed_stage_<n>`` for
-    ``DeepSpeedStrategy``, else ``replicated``.
+def layout_of(strategy: Any, module: Any = None) -> str:
+    """The layout ``strategy`` writes: the name of ``module``'s parameter placement when it has one (the streaming
+    module's, :mod:`tslightning.distributed.parameter_placement`); else, from the strategy, ``fsdp`` for
+    ``ModelParallelStrategy``, ``deepspeed_stage_<n>`` for ``DeepSpeedStrategy``, else ``replicated``.
 
     Raises:
         ValueError: For Fabric's ``FSDPStrategy`` (FSDP1), whose sharded state this checkpoint does not hold.
     """
     from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    placement = getattr(_unwrap_objects(module), "placement", None) if module is not None else None
+    if placement is not None:
+        return placement.name
 
     if isinstance(strategy, ModelParallelStrategy):
         return FSDP

@@ -276,7 +276,7 @@ def _load_sharded(path: Path, meta: dict[str, Any], module: torch.nn.Module, fab
     """``fabric.load`` of a sharded ``state.pt`` into the set-up module and optimizer; its plain fields, checked."""
     if fabric is None:
         raise CheckpointError(f"resume: {path / STATE_FILE} is sharded ({meta['layout']}); restore it through Fabric")
-    mismatch = layout_mismatch(meta, layout_of(fabric.strategy), fabric.world_size)
+    mismatch = layout_mismatch(meta, layout_of(fabric.strategy, module), fabric.world_size)
     if mismatch is not None:
         raise CheckpointError(f"resume: {path} cannot be restored here: {mismatch}")
     fields = tuple(name for name in _STATE_FIELDS if name not in ("state_dict", "optimizer_states"))

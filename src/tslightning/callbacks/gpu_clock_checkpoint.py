@@ -260,7 +260,7 @@ class GPUClockCheckpoint(UpdateCallback):
         if error is None:  # no barrier inside (unlike fabric.save), so a failed write is agreed on below
             error = _attempt(lambda: strategy.save_checkpoint(tmp / STATE_FILE, self._state(fabric, module, update)))
         digest: list[str] = []  # rank 0 hashes; every rank takes part when the weights are sharded (gathers)
-        if rank == 0 or layout_of(strategy) != REPLICATED:
+        if rank == 0 or layout_of(strategy, module) != REPLICATED:
             hashed = _attempt(lambda: digest.append(policy_hash(getattr(module, "policy", module))))
             error = error or hashed
         all_ok = strategy.reduce_boolean_decision(error is None, all=True)  # also the barrier before rank 0 renames
@@ -285,7 +285,7 @@ class GPUClockCheckpoint(UpdateCallback):
             "num_optimizer_steps": getattr(module, "num_optimizer_steps", update + 1),
             "next_update": update + 1,  # the data position: task order and sampling seeds derive from it
         }
-        if layout_of(fabric.strategy) != REPLICATED:
+        if layout_of(fabric.strategy, module) != REPLICATED:
             return sharded_state(fabric, module, fields)
         optimizer_states = [fabric.strategy.get_optimizer_state(o) for o in _optimizers_of(module)]
         return {"state_dict": module, "optimizer_states": optimizer_states, **fields}
@@ -303,7 +303,7 @@ class GPUClockCheckpoint(UpdateCallback):
         rank — a collective for sharded weights)."""
         config = self._resolved_config()
         version = held_version(trainer, module)
-        layout = "trainer" if isinstance(trainer, L.Trainer) else layout_of(trainer.strategy)  # Lightning's .ckpt
+        layout = "trainer" if isinstance(trainer, L.Trainer) else layout_of(trainer.strategy, module)  # Lightning's
         return {
             "format_version": FORMAT_VERSION,
             "seed": self.seed if self.seed is not None else config.get("seed"),

@@ -104,7 +104,7 @@ class GradientClipping(UpdateCallback):
         """Clip through the host; the pre-clip norm, or ``None`` for a GradScaler overflow step (left unclipped)."""
         precision = _precision(trainer)
         scaled = getattr(precision, "scaler", None) is not None
-        if isinstance(trainer, L.Fabric) and _shards_gradients(trainer.strategy):
+        if isinstance(trainer, L.Fabric) and _shards_gradients(trainer.strategy, module):
             clip = {"max_norm": self.max_norm, "norm_type": self.norm_type, "error_if_nonfinite": False}
             return self._finite_or_skipped(float(trainer.clip_gradients(module, optimizer, **clip)), scaled, k)
         if isinstance(trainer, L.Fabric):
@@ -161,7 +161,12 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _shards_gradients(strategy: Any) -> bool:
+def _shards_gradients(strategy: Any, module: Any = None) -> bool:
+    """Whether the gradients are sharded: the module's parameter placement says so when it has one (the streaming
+    module's); else the strategy's kind."""
+    placement = getattr(module, "placement", None)
+    if placement is not None:
+        return placement.clips_in_module
     from lightning.fabric import strategies as fabric
     from lightning.pytorch import strategies as trainer
 

@@ -26,7 +26,8 @@ def tasks_validate(
 
     Usage: ``tslightning tasks validate [DIR]``. For each task, two fresh sandbox attempts: one where the agent does
     nothing, one that runs ``solution/solve.sh``; the verifier scores both. Prints a table (each task's status:
-    valid, invalid, needs image, needs network at build, needs helper container; build and set-up seconds) and exits
+    valid, invalid, needs image, needs network at build, needs helper container, needs model API; build and set-up
+    seconds; each helper service's start-up seconds) and exits
     1 naming each task whose reference does not fully pass or whose no-op already passes (with the verifier output's
     tail), and each task whose environment cannot be provided here (with the reason; no attempt is run).
 

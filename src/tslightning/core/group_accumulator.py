@@ -49,6 +49,15 @@ class GroupAccumulator:
 
     The first statistic is kept shifted, ``G1' = Σ (r_i − c) H_i`` with c the group's first reward; since
     ``G1 − μ G2 = G1' − (μ − c) G2`` this is the same update with less cancellation in FP32.
+
+    Precision bound (``dtype`` with unit roundoff u: 2^-24 for float32). Each coordinate of the batch accumulator,
+    after n groups of at most m sources each whose gradients arrive in ``dtype`` or wider, is within
+
+        (m + n + 3) · u · Σ_G ( |α_G| Σ_i |r_i − c_G| |H_i| + |β_G| Σ_i |H_i| ),   α_G = a_G/m,  β_G = −α_G (μ_G − c_G)
+
+    of the exact Σ_G g_G (first order: m axpys into a group's statistic, 2 more at its close, n across groups, one
+    for a gradient rounded to ``dtype``): sequential floating-point summation's γ bound on the terms actually added.
+    ``tests/core/test_group_accumulator.py`` checks it coordinate by coordinate on real gradients.
     """
 
     def __init__(
@@ -75,6 +84,11 @@ class GroupAccumulator:
             self.folding.drain()
         return self._batch
 
+    def batch_terms(self) -> list[tuple[torch.Tensor, float]]:
+        """Where a gradient that is already part of g_k goes (a ``sync`` micro-batch, a prompt's deferred part):
+        ``[(batch accumulator, 1)]``."""
+        return [(self._batch, 1.0)]
+
     @property
     def held_numel(self) -> int:
         """Values currently held: the batch accumulator plus two vectors per open group."""
@@ -94,6 +108,14 @@ class GroupAccumulator:
 
     def add_flat(self, group_id: str, group_size: int, reward: float, flat: torch.Tensor) -> None:
         """Fold H_i given as one flat vector in the layout's order (a shard under a ShardLayout), ``(numel,)``."""
+        for statistic, alpha in self.source_terms(group_id, group_size, reward):
+            statistic.add_(flat, alpha=alpha)
+        self.record_source(group_id, reward)
+
+    def source_terms(self, group_id: str, group_size: int, reward: float) -> list[tuple[torch.Tensor, float]]:
+        """Where H_i of a source of ``group_id`` with ``reward`` goes: ``[(G1', r_i − c), (G2, 1)]`` (Eq. 7), the
+        group's statistics allocated with its first source. Fold H_i — whole or a unit at a time — with
+        ``statistic += alpha · H_i``, then :meth:`record_source` once."""
         stats = self._open.get(group_id)
         if stats is None:
             stats = _GroupStatistics(
@@ -101,9 +123,11 @@ class GroupAccumulator:
             )
             self._open[group_id] = stats
             self.peak_held_numel = max(self.peak_held_numel, self.held_numel)
-        stats.g1.add_(flat, alpha=reward - stats.shift)
-        stats.g2.add_(flat)
-        stats.rewards.append(reward)
+        return [(stats.g1, reward - stats.shift), (stats.g2, 1.0)]
+
+    def record_source(self, group_id: str, reward: float) -> None:
+        """Count one folded source of ``group_id`` (after its terms of :meth:`source_terms` were folded)."""
+        self._open[group_id].rewards.append(reward)
 
     def folded(self, group_id: str) -> int:
         """Sources folded into open group ``group_id`` so far (0 if it holds no statistics)."""

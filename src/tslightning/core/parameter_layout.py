@@ -40,6 +40,9 @@ class ParameterLayout:
         self.numel = sum(p.numel() for p in self.parameters)
         self.shapes: list[torch.Size] = [p.shape for p in self.parameters]
         """Full shapes, recorded before any sharding strategy (ZeRO-3, FSDP) partitions the parameters."""
+        self.units: list[list[int]] = [[i] for i in range(len(self.parameters))]
+        """Parameter indices per gradient unit (:mod:`~tslightning.core.gradient_units`; set by the learner from the
+        model's blocks); one parameter per unit until then."""
         self._slices: list[slice] = []
         offset = 0
         for p in self.parameters:
@@ -92,17 +95,22 @@ class ParameterLayout:
         torch.cuda.current_stream().synchronize()  # the copies into page-locked memory have landed
         return self._staging
 
+    def unit_pieces(
+        self, flat: torch.Tensor, grads: dict[int, torch.Tensor], alpha: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Fold pieces (:mod:`~tslightning.core.unit_folding`) adding ``alpha · grads`` (``{parameter index:
+        full-shape gradient}``) into ``flat``: one ``(view of flat, gradient, alpha)`` per parameter."""
+        return [(flat[self._slices[i]], g, alpha) for i, g in grads.items()]
+
+    @property
+    def slices(self) -> list[slice]:
+        """Each parameter's slice of a flat statistic, in :attr:`parameters` order."""
+        return list(self._slices)
+
     def add_(self, flat: torch.Tensor, grads: Sequence[torch.Tensor], alpha: float = 1.0) -> None:
         """``flat += alpha * grads`` where ``grads`` follows :attr:`parameters` (as from ``torch.autograd.grad``)."""
         for s, g in zip(self._slices, grads, strict=True):
             flat[s].add_(g.detach().reshape(-1).to(device=flat.device, dtype=flat.dtype), alpha=alpha)
-
-    def with_zeros(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Per-parameter gradients with zeros where autograd returned ``None`` (a parameter the pass did not use)."""
-        return [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) if g is None else g
-            for p, shape, g in zip(self.parameters, self.shapes, grads, strict=True)
-        ]
 
     def write_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
         """Set every parameter's ``.grad`` to ``scale * flat[its slice]`` in the parameter's dtype and device."""

@@ -90,6 +90,43 @@ class ShardLayout:
                 out[rank, start : start + length].copy_(flat[rank * chunk : rank * chunk + length])
         return out
 
+    def unit_numel(self, unit: Sequence[int]) -> int:
+        """Values of one rank's part of a unit (its parameters' padded chunks): one row of :meth:`scatter_unit`."""
+        return sum(self._chunk_rows[i] * self._row_numel[i] for i in unit)
+
+    def scatter_unit(
+        self, unit: Sequence[int], grads: dict[int, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One unit's gradients (``{parameter index: full-shape gradient}``; absent ones are zero) as a
+        ``(world_size, unit_numel)`` tensor on ``device``: row r holds rank r's chunks, parameter after parameter."""
+        out = torch.zeros(self.world_size, self.unit_numel(unit), dtype=dtype, device=device)
+        start = 0
+        for index in unit:
+            chunk, row_numel = self._chunk_rows[index], self._row_numel[index]
+            grad = grads.get(index)
+            if grad is not None:
+                flat = grad.detach().reshape(-1)
+                for rank in range(self.world_size):
+                    length = self.local_rows(index, rank) * row_numel
+                    begin = rank * chunk * row_numel
+                    out[rank, start : start + length].copy_(flat[begin : begin + length])
+            start += chunk * row_numel
+        return out
+
+    def unit_pieces(
+        self, shard: torch.Tensor, unit: Sequence[int], row: torch.Tensor, alpha: float
+    ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Fold pieces (:mod:`~tslightning.core.unit_folding`) adding ``alpha · row`` — this rank's part of ``unit``,
+        a row of :meth:`scatter_unit` — into ``shard``: one ``(view of shard, segment of row, alpha)`` per
+        parameter."""
+        pieces, start = [], 0
+        for index in unit:
+            length = self._chunk_rows[index] * self._row_numel[index]
+            offset = self._offsets[index]
+            pieces.append((shard[offset : offset + length], row[start : start + length], alpha))
+            start += length
+        return pieces
+
     def local_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of this rank's ``shard``, one per parameter, each in the shape of its local (unpadded) FSDP2 shard."""
         views = []

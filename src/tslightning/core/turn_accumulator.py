@@ -46,6 +46,15 @@ class TurnAccumulator:
             self.folding.submit(lambda: self.layout.add_(self._total, grads))
         self.num_tokens += num_scored
 
+    def terms(self) -> list[tuple[torch.Tensor, float]]:
+        """Where a turn's g_j goes, folded whole or a unit at a time: ``[(Σ_j g_j, 1)]``; then :meth:`count` its
+        tokens."""
+        return [(self._total, 1.0)]
+
+    def count(self, num_scored: int) -> None:
+        """Add one folded turn's |M_j| to N_k."""
+        self.num_tokens += num_scored
+
     def reset(self) -> None:
         if self.folding is not None:
             self.folding.discard()

@@ -8,10 +8,14 @@ each parameter is a ``DTensor`` shard.
 
 * **Per-source gradient.** A pass's autograd leaves are the units' *unsharded* parameters, not the DTensor shards,
   so the learner differentiates with respect to those (:func:`gradient_leaves`). ``torch.autograd.grad`` leaves
-  their ``.grad`` empty, so FSDP's post-backward reduce-scatter has nothing to send: each per-source gradient stays
-  on its rank, whole, as the learner's statistics need; the barrier's one all-reduce sums them.
+  their ``.grad`` empty, so FSDP's post-backward reduce-scatter has nothing to send; the placement folds each unit's
+  gradient as the backward produces it (:mod:`tslightning.distributed.parameter_placement`) — into this rank's
+  statistics, or shard by shard into every rank's under sharded statistics.
 * **Lock-step.** Every forward and backward all-gathers block by block, collectives all ranks must enter together,
   so several ranks serve their sources in lock-step ticks (:mod:`tslightning.distributed.lockstep`).
+* **Units.** One per decoder block; untied input embedding and output head one each (gathered only while used:
+  FSDP2 keeps the root unit's parameters unsharded for the whole pass); a peft policy's LoRA adapter layers one each
+  (FSDP2 gathers a unit in one dtype, and the float32 adapters sit beside a bfloat16 base); the root takes the rest.
 * **Barrier.** Every rank holds the whole reduced direction; its own shard of it becomes each DTensor's ``.grad``
   (no communication) and the optimizer steps the shards.
 """
@@ -55,12 +59,38 @@ def shard_policy(module: L.LightningModule, device_mesh) -> L.LightningModule:
         raise ValueError(
             f"{type(base).__name__} names no decoder blocks (_no_split_modules); FSDP needs them as its units"
         )
+    for adapter in _adapter_layers(policy):  # trainable float32 adapters beside a frozen bf16 base: units of their own
+        fully_shard(adapter, mesh=mesh)
     for submodule in list(policy.modules()):
         if type(submodule).__name__ in blocks:
             fully_shard(submodule, mesh=mesh)
-    fully_shard(policy, mesh=mesh)  # the root unit: embeddings, final norm, head
+    for outer in _untied_vocabulary_matrices(base):  # gathered only while used, not for the whole pass as the root's
+        fully_shard(outer, mesh=mesh)
+    fully_shard(
+        policy, mesh=mesh
+    )  # the root unit: what is left (the final norm; the embedding when the head shares it)
     module.layout.rebind(policy.parameters())
     return module
+
+
+def _adapter_layers(policy: torch.nn.Module) -> list[torch.nn.Module]:
+    """A peft policy's LoRA adapter layers (each ``lora_A``/``lora_B`` linear): FSDP2 all-gathers a unit's parameters
+    in one buffer of one dtype, so adapters trained in float32 cannot share a unit with their bfloat16 base."""
+    layers = []
+    for module in policy.modules():
+        for name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            container = getattr(module, name, None)
+            if isinstance(container, torch.nn.ModuleDict):
+                layers += [layer for layer in container.values() if any(True for _ in layer.parameters())]
+    return layers
+
+
+def _untied_vocabulary_matrices(base: torch.nn.Module) -> list[torch.nn.Module]:
+    """The input embedding and the output head when they do not share their weight (a shared one stays in the root)."""
+    embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if head is None or embedding is None or head.weight is embedding.weight:
+        return []
+    return [embedding, head]
 
 
 def gradient_leaves(policy: torch.nn.Module, parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:

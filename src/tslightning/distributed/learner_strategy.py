@@ -57,19 +57,21 @@ class LearnerSettings:
     activation_checkpointing: bool = False
     """Keep only each decoder layer's inputs in a pass and recompute the layer in its backward (transformers'
     gradient checkpointing): far less activation memory for one more forward per pass (``tslightning plan``)."""
-    statistics_device: Literal["host", "device"] = "host"
-    """Where the streaming statistics (GRPO G1/G2 of open groups and the batch accumulator; OPD's sum) live: ``host``
-    memory (page-locked on GPUs, one copy per source) or the learner's ``device`` (no copy, device memory)."""
+    statistics_device: Literal["auto", "host", "device"] = "auto"
+    """Where the streaming statistics (GRPO G1/G2 of open groups and the batch accumulator; OPD's sum) live: the
+    learner's ``device`` (no copies), or ``host`` memory (page-locked on GPUs; each gradient unit crosses through
+    ``fold_queue_depth`` staging buffers, overlapped with the backward). ``auto``: the device when ``tslightning
+    plan`` says the run fits there, else the host (on a CPU learner the two are the same memory)."""
     shard_statistics: bool = False
     """Under ``fsdp``: each rank keeps only its shard (FSDP2's dim-0 chunks) of every open group's G1/G2 and of the
-    batch accumulator, ``(2·open + 1)·numel/world`` values (``open`` over all ranks) instead of ``(2·open + 1)·numel``;
-    each lock-step tick sends every rank its shards of the ticks' source gradients
-    (:mod:`tslightning.distributed.statistics_shards`). GRPO only; placed by ``statistics_device``."""
+    batch accumulator (or OPD's sum), ``(2·open + 1)·numel/world`` values (``open`` over all ranks) instead of
+    ``(2·open + 1)·numel``; each gradient unit of every lock-step pass is sent shard by shard to the rank that keeps
+    it as the backward produces it (:mod:`tslightning.distributed.statistics_shards`)."""
     fold_queue_depth: int = 0
-    """Fold each source's gradient into the statistics (the copy to ``statistics_device`` and Eq. 7's axpys) on a
-    background thread, at most this many pending, while the learner thread runs the next pass; each pending fold
-    keeps one gradient-sized buffer alive on the device. 0: fold on the learner thread. Not with
-    ``shard_statistics``, which folds at each tick's exchange."""
+    """Fold each gradient unit into the statistics (Eq. 7's axpys; with host statistics on a GPU, through one
+    page-locked staging buffer each) on a background thread, at most this many units pending, while the backward
+    produces the next; 0: fold on the learner thread as each unit completes. 2 (double buffering) suits host
+    statistics on GPUs."""
     cpus: list[int] | None = None
     """CPU cores the learner process runs on, one torch thread each (``None``: unchanged); with ``rollout.cpus`` it
     places rollout and learner on separate cores, as the CPU benchmark does."""
@@ -95,26 +97,14 @@ class LearnerSettings:
         return problems
 
     def sharding_problems(self, objective: str) -> list[str]:
-        """Why ``shard_statistics`` cannot shard ``objective``'s statistics under ``strategy`` (empty: it can)."""
-        if not self.shard_statistics:
+        """Why ``shard_statistics`` cannot shard the statistics under ``strategy`` (empty: it can)."""
+        if not self.shard_statistics or self.strategy == "fsdp":
             return []
-        if self.fold_queue_depth:
-            return [
-                "learner.shard_statistics folds each source at its lock-step tick's exchange; set "
-                "learner.fold_queue_depth: 0 with it (or shard_statistics: false)"
-            ]
-        if self.strategy != "fsdp":
-            return [
-                f"learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy "
-                f"{self.strategy!r} does not shard them that way: set learner.strategy: fsdp or "
-                "learner.shard_statistics: false"
-            ]
-        if objective != "grpo":
-            return [
-                f"learner.shard_statistics shards GRPO's G1/G2 and batch accumulator; objective {objective!r} holds "
-                "one sum: set learner.shard_statistics: false"
-            ]
-        return []
+        return [
+            f"learner.shard_statistics shards the statistics like FSDP2's parameters; learner.strategy "
+            f"{self.strategy!r} does not shard them that way: set learner.strategy: fsdp or "
+            "learner.shard_statistics: false"
+        ]
 
 
 def learner_strategy(settings: LearnerSettings, accelerator: str):

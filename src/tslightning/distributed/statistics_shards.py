@@ -1,38 +1,51 @@
-"""GRPO statistics sharded like FSDP2's parameters (``learner.shard_statistics``): each rank holds only its shard.
+"""Streaming statistics sharded like FSDP2's parameters (``learner.shard_statistics``): each rank holds only its shard.
 
 Unsharded, every rank keeps G1' and G2 of each of its open groups and the batch accumulator whole:
 ``(2·open + 1) · numel`` values per rank, ~84 GB at 7B. Sharded, rank j keeps shard j (FSDP2's dim-0 chunks, padded;
 :class:`~tslightning.core.shard_layout.ShardLayout`) of the statistics of *every* open group, whichever rank serves
-it: ``(2·open + 1) · numel / world`` (+ padding), ``open`` counted over all ranks.
+it: ``(2·open + 1) · numel / world`` (+ padding), ``open`` counted over all ranks. OPD's one sum shards the same way.
 
-Folding, one lock-step tick at a time (:mod:`tslightning.distributed.lockstep`): the pass of each rank leaves at most
-one contribution staged (a trajectory's H_i with its group, group size and reward; or a ``sync`` micro-batch's
-gradient, which goes straight into the batch accumulator). Then every rank enters :meth:`StatisticsShards.exchange`:
+Folding, one lock-step pass at a time (:mod:`tslightning.distributed.lockstep`), *unit by unit while the backward
+runs* (:class:`~tslightning.core.unit_backward.UnitBackward`), so no rank ever holds a source's whole gradient:
 
-1. the contributions' descriptions are all-gathered (a control message), so every rank knows each source's group and
-   reward;
-2. one ``all_to_all_single`` sends shard j of each staged gradient to rank j (an idle rank sends nothing);
-3. every rank folds the shards it received, in rank order, into its shard of the right group's G1'/G2 (Eq. 7) —
-   the same operations on the same values the unsharded accumulator runs, so the update is as exact — and closes a
-   group on its own once all m of its sources are folded (all m rewards travelled with them: μ and a_G are known
-   everywhere).
+1. :meth:`StatisticsShards.begin_pass`: every rank's :class:`~tslightning.core.contribution.Contribution` (its
+   source's group, group size and reward; the batch accumulator; or ``None`` for an idle pass) is all-gathered, a
+   control message — every rank then knows what each rank's gradient is for;
+2. for each gradient unit as the backward completes it, in the fixed fold order (the same on every rank):
+   :meth:`StatisticsShards.exchange_unit` — one ``all_to_all_single`` sends shard j of this rank's unit gradient to
+   rank j (an idle rank sends nothing) — and :meth:`StatisticsShards.fold_received`: every rank folds the shards it
+   received, in rank order, into its shard of the right statistics (Eq. 7's two axpys, or the batch sum). The unit's
+   gradient is then dropped: a rank holds one unit unsharded, the rows it sent and the rows it received (a unit's
+   worth each), whatever the model's size;
+3. :meth:`StatisticsShards.end_pass`: each folded source is counted in its group, and a group closes on every rank
+   once all m of its sources are folded (all m rewards travelled with them: μ and a_G are known everywhere).
 
-At the barrier the rank's batch-accumulator shard *is* its part of g_k: its norm is one all-reduce of a float64
-scalar, and each DTensor parameter's ``.grad`` is the matching view of the shard (no all-reduce of the direction).
+Why this is the batch-synchronous update: shard j of a gradient is a fixed set of coordinates, and rank j applies to
+them exactly the operations the unsharded accumulator applies to the same coordinates — ``G1'_G += (r_i − c) H_i``,
+``G2_G += H_i`` for each source, ``g_k += (a_G/m)(G1' − (μ − c)G2)`` at each close — with the same values (each unit's
+gradient is the one ``torch.autograd.grad`` returns). Only the order of additions across sources differs from a
+batch-synchronous sum, the rounding of any streamed order (float64 tests: ≤ 1e-12).
+
+At the barrier the rank's accumulator shard *is* its part of g_k: its norm is one all-reduce of a float64 scalar, and
+each DTensor parameter's ``.grad`` is the matching view of the shard (no all-reduce of the direction).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
+from tslightning.core.batch_registry import Objective
+from tslightning.core.contribution import Contribution
+from tslightning.core.folding_queue import FoldingQueue
+from tslightning.core.group_accumulator import GroupReduction
 from tslightning.core.parameter_layout import ParameterLayout
 from tslightning.core.shard_layout import ShardLayout
+from tslightning.core.streaming_statistics import StreamingStatistics
+from tslightning.core.unit_folding import UnitFolder
 from tslightning.distributed.collectives import (
     all_to_all_rows,
     control_all_gather,
@@ -43,68 +56,38 @@ from tslightning.distributed.collectives import (
 from tslightning.objectives.advantages import AdvantageEstimator
 
 
-def statistics_shards(
-    shard: bool,
-    layout: ParameterLayout,
-    estimator: AdvantageEstimator,
-    eps: float,
-    dtype: torch.dtype,
-    objective: str,
-    context_backward: str,
-    fold_queue_depth: int,
-) -> StatisticsShards | None:
-    """The streaming module's :class:`StatisticsShards` when ``shard`` (``None`` otherwise).
-
-    Raises:
-        ValueError: for what cannot be sharded: an ``objective`` other than ``grpo``, a ``context_backward`` other
-            than ``recompute`` (lock-step), or background folding (``fold_queue_depth``; shards fold at the exchange).
-    """
-    if not shard:
-        return None
-    if objective != "grpo" or context_backward != "recompute" or fold_queue_depth:
-        raise ValueError(
-            "shard_statistics shards GRPO statistics under context_backward='recompute' and folds them at each tick's "
-            f"exchange; got objective {objective!r}, context_backward {context_backward!r}, fold_queue_depth "
-            f"{fold_queue_depth} (set shard_statistics false)"
-        )
-    return StatisticsShards(layout, estimator, eps, dtype)
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """What travels with one staged gradient: its group, the group's size and the source's reward; ``group_id``
-    ``None`` for a gradient that goes straight into the batch accumulator (a ``sync`` micro-batch)."""
-
-    group_id: str | None
-    group_size: int = 0
-    reward: float = 0.0
-
-
 class StatisticsShards:
-    """This rank's shard of the GRPO statistics of every open group and of the batch accumulator.
+    """This rank's shard of the streaming statistics (every open GRPO group's and the batch accumulator; OPD's sum).
 
     Args:
         layout: The trainable parameters (full shapes).
-        estimator, eps, dtype: As for :class:`~tslightning.core.group_accumulator.GroupAccumulator`.
+        objective, estimator, eps, dtype: As for :class:`~tslightning.core.streaming_statistics.StreamingStatistics`.
+        folding: The folding thread (``learner.fold_queue_depth``), or ``None``: fold on the learner thread.
         world_size, rank: The FSDP2 data-parallel mesh (``None``: the default process group's, else one rank).
     """
 
     def __init__(
         self,
         layout: ParameterLayout,
+        objective: Objective,
         estimator: AdvantageEstimator,
         eps: float,
         dtype: torch.dtype,
+        folding: FoldingQueue | None = None,
         world_size: int | None = None,
         rank: int | None = None,
     ) -> None:
         if world_size is None:
             world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed() else (1, 0)
         self.layout = ShardLayout(layout, world_size, rank or 0)
-        self.groups = GroupAccumulator(self.layout, estimator, eps, dtype)
-        """The shard statistics; :attr:`GroupAccumulator.held_numel` counts shard values."""
-        self._staged: tuple[Contribution, Sequence[torch.Tensor]] | None = None
+        self.statistics = StreamingStatistics(self.layout, objective, estimator, eps, dtype, folding)
+        """The shard statistics; their ``held_numel`` counts shard values."""
+        self.groups = self.statistics.groups
+        self.folder = UnitFolder(folding, max(self.layout.unit_numel(unit) for unit in layout.units))
         self._closed: dict[str, GroupReduction] = {}
+        self.peak_exchange_numel = 0
+        """Most gradient values one unit's exchange held at once: this rank's unit gradient, the rows it sent and
+        the rows it received."""
         self.on_close: Callable[[str], None] | None = None
         """Called with a group's id when it closes here (its last source's shard folded): the same exchange on
         every rank, so ranks that spread groups agree on which groups are open."""
@@ -137,43 +120,53 @@ class StatisticsShards:
                 )
         self.layout.check_matches([p.to_local().shape for p in parameters])
 
-    def stage(self, contribution: Contribution, grads: Sequence[torch.Tensor]) -> None:
-        """Hold this pass's gradient (per-parameter, full shapes) for the next :meth:`exchange`.
+    def begin_pass(self, contribution: Contribution | None) -> list[Contribution | None]:
+        """Every rank's contribution for this lock-step pass, in rank order (a control all-gather; ``None``: an idle
+        pass, which sends nothing)."""
+        return control_all_gather(contribution)
 
-        Raises:
-            RuntimeError: if a gradient is already staged (one contribution per pass).
-        """
-        if self._staged is not None:
-            raise RuntimeError("StatisticsShards.stage: a gradient is already staged; exchange() after every pass")
-        self._staged = (contribution, grads)
+    def exchange_unit(
+        self,
+        contributions: Sequence[Contribution | None],
+        unit: Sequence[int],
+        grads: dict[int, torch.Tensor] | None,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """Send every rank its shard of this rank's unit gradient and receive the shards of every sending rank (a
+        collective: every rank, every unit, in the fold order); ``grads`` ``None`` for an idle pass, which sends
+        nothing. Returns ``(senders, unit_numel)`` rows in rank order (``None`` when no rank sends)."""
+        senders = [c is not None for c in contributions]
+        if not any(senders):
+            return None
+        dtype, numel = self.statistics.dtype, self.layout.unit_numel(unit)
+        rows = None if grads is None else self.layout.scatter_unit(unit, grads, dtype, device)
+        received = all_to_all_rows(rows, senders, numel, dtype, device)
+        held = sum(g.numel() for g in (grads or {}).values()) + (0 if rows is None else rows.numel()) + received.numel()
+        self.peak_exchange_numel = max(self.peak_exchange_numel, held)
+        return received
 
-    def exchange(self, send: bool = True) -> list[Contribution]:
-        """Send every rank its shards of the staged gradients and fold in what arrives (a collective; see the module
-        docstring); ``send=False`` drops this rank's staged gradient (its pass failed) and sends nothing. Returns the
-        contributions folded here, in rank order."""
-        contribution, grads = self._staged if self._staged is not None and send else (None, None)
-        self._staged = None
-        contributions = control_all_gather(contribution)
-        if all(c is None for c in contributions):
-            return []
-        device, dtype = self.layout.layout.parameters[0].device, self.groups.dtype
-        rows = None if grads is None else self.layout.scatter(grads, dtype, device)
-        senders = [c is not None for c in contributions]  # an idle rank sends nothing
-        received = all_to_all_rows(rows, senders, self.layout.numel, dtype, device)
-        folded = [c for c in contributions if c is not None]
-        for c, shard in zip(folded, received, strict=True):
-            self._fold(c, shard.to(self.groups.batch.device))
-        return folded
-
-    def _fold(self, c: Contribution, shard: torch.Tensor) -> None:
-        if c.group_id is None:
-            self.groups.batch.add_(shard)
+    def fold_received(
+        self, contributions: Sequence[Contribution | None], unit: Sequence[int], received: torch.Tensor | None
+    ) -> None:
+        """Fold the shards :meth:`exchange_unit` received, in rank order, into this rank's shard statistics."""
+        if received is None:
             return
-        self.groups.add_flat(c.group_id, c.group_size, c.reward, shard)
-        if self.groups.is_complete(c.group_id):
-            self._closed[c.group_id] = self.groups.close(c.group_id)
-            if self.on_close is not None:
-                self.on_close(c.group_id)
+        pieces = []
+        for c, row in zip([c for c in contributions if c is not None], received, strict=True):
+            for statistic, alpha in self.statistics.terms(c):
+                pieces += self.layout.unit_pieces(statistic, unit, row, alpha)
+        self.folder.fold(pieces)
+
+    def end_pass(self, contributions: Sequence[Contribution | None]) -> None:
+        """Count every folded source in its group; close the groups whose m-th source this pass folded."""
+        for c in contributions:
+            if c is None or c.group_id is None:
+                continue
+            self.statistics.record(c)
+            if self.groups.is_complete(c.group_id):
+                self._closed[c.group_id] = self.groups.close(c.group_id)
+                if self.on_close is not None:
+                    self.on_close(c.group_id)
 
     def close(self, group_id: str) -> GroupReduction:
         """The reduction of group ``group_id``, which closed here when its last source's shard was folded.
@@ -190,9 +183,8 @@ class StatisticsShards:
 
     def reset(self) -> None:
         """Start a new logical batch (see :meth:`GroupAccumulator.reset`)."""
-        self.groups.reset()
+        self.statistics.reset()
         self._closed.clear()
-        self._staged = None
 
     def norm(self, shard: torch.Tensor) -> float:
         """The global 2-norm of the vector whose shard on this rank is ``shard`` (a collective; padding is zero)."""

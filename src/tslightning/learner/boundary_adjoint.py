@@ -30,13 +30,14 @@ layer (no sliding window), so cached states are exact.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 from transformers import DynamicCache
 
+from tslightning.core.contribution import BATCH, Contribution
 from tslightning.core.group_accumulator import GroupReduction
 from tslightning.core.sources import SourceError, TrajectorySource, TurnSource
 from tslightning.measure.learner_flops import BoundaryPass, BoundaryWork
@@ -133,11 +134,21 @@ def _first_scored(scored_mask: torch.Tensor) -> int:
     return int(torch.nonzero(scored_mask)[0, 0])
 
 
-class _GradientSplitter:
-    """``torch.autograd.grad`` over the trainable parameters and some boundary leaves, unused parameters as zeros."""
+Backward = Callable[..., list[torch.Tensor]]
+"""``backward(outputs, contribution, inputs, grad_outputs, retain_graph)``: back-propagate ``outputs``, fold the
+trainable parameters' gradient into ``contribution``'s statistics unit by unit
+(:meth:`~tslightning.distributed.parameter_placement.ParameterPlacement.backward`), return the gradients of
+``inputs``."""
 
-    def __init__(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+
+class _GradientSplitter:
+    """A backward over the trainable parameters and some boundary leaves. With a :data:`Backward` the parameters'
+    gradient is folded as it is produced (nothing returned for them); without one it is returned, per parameter
+    (unused ones as zeros), as ``torch.autograd.grad`` gives it."""
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], backward: Backward | None = None) -> None:
         self.parameters = list(parameters)
+        self.backward = backward
 
     def __call__(
         self,
@@ -145,7 +156,10 @@ class _GradientSplitter:
         leaves: Sequence[torch.Tensor],
         grad_outputs: Sequence[torch.Tensor] | None = None,
         retain_graph: bool = False,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        contribution: Contribution = BATCH,
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        if self.backward is not None:
+            return None, self.backward(outputs, contribution, leaves, grad_outputs, retain_graph)
         # A state computed from frozen weights only (e.g. layer 0's keys under LoRA) carries no gradient to anything.
         kept = [i for i, x in enumerate(outputs) if x.requires_grad]
         grads = (None,) * (len(self.parameters) + len(leaves))
@@ -182,11 +196,13 @@ class SharedPromptBackward:
 
     * :meth:`admit` validates a trajectory against its group's prompt before the caller records it.
     * :meth:`source_gradient` returns the continuation part of H_i = ∇ S_i (per-parameter tensors, the
-      parameters' shapes and dtype) — fold it into G1/G2 exactly as a recompute H_i (Eq. 7) — and adds the
+      parameters' shapes and dtype; with a ``backward``, folded into the trajectory's contribution instead) — fold it
+      into G1/G2 exactly as a recompute H_i (Eq. 7) — and adds the
       prompt adjoint adj_i = ∂S_i/∂(prompt K/V) to the group's A1 = Σ (r_i − c) adj_i and A0 = Σ adj_i. The group's
       first call forwards the prompt and keeps its graph.
     * :meth:`close_group` returns J_promptᵀ (a_G / m)(A1 − (μ_G − c) A0), the prompt part of g_G (Eq. 7), to add to the
-      batch direction; ``None`` for a uniform-reward group (a_G = 0) or a one-token prompt (nothing to share).
+      batch direction (with a ``backward``, folded into the batch accumulator); ``None`` for a uniform-reward group
+      (a_G = 0), a one-token prompt (nothing to share), or when folded.
 
     The prompt is the first admitted trajectory's ``prompt_length`` tokens; the boundary is one token earlier (see
     the module docstring). Memory per open group: the prompt's retained graph and two adjoint sums shaped like the
@@ -197,15 +213,21 @@ class SharedPromptBackward:
         parameters: The trainable parameters, in the order of
             :class:`~tslightning.core.parameter_layout.ParameterLayout`.
         dtype: dtype of the adjoint sums; default the states' dtype promoted to float32.
+        backward: Folds the parameters' gradient of every pass as it is produced (:data:`Backward`); ``None``:
+            return it instead.
     """
 
     def __init__(
-        self, policy: torch.nn.Module, parameters: Sequence[torch.nn.Parameter], dtype: torch.dtype | None = None
+        self,
+        policy: torch.nn.Module,
+        parameters: Sequence[torch.nn.Parameter],
+        dtype: torch.dtype | None = None,
+        backward: Backward | None = None,
     ) -> None:
         check_full_attention(policy)
         self.policy = policy
         self.dtype = dtype
-        self._grad = _GradientSplitter(parameters)
+        self._grad = _GradientSplitter(parameters, backward)
         self._prefixes: dict[str, torch.Tensor] = {}  # group id → tokens before its boundary, from the first admit
         self._open: dict[str, _OpenPrompt] = {}
         self.passes: list[BoundaryPass] = []
@@ -239,14 +261,17 @@ class SharedPromptBackward:
                 f"(tokens [0, {cut + 1})); only tokens after the prompt can be scored"
             )
 
-    def source_gradient(self, source: TrajectorySource, weight: float) -> list[torch.Tensor]:
-        """The continuation part of ``weight``·∇ Σ_{t∈M_i} log π_θ(a_t|h_t) for an admitted trajectory."""
+    def source_gradient(
+        self, source: TrajectorySource, weight: float, contribution: Contribution = BATCH
+    ) -> list[torch.Tensor] | None:
+        """The continuation part of ``weight``·∇ Σ_{t∈M_i} log π_θ(a_t|h_t) for an admitted trajectory (folded into
+        ``contribution`` when there is a ``backward``)."""
         prompt = self._open.get(source.group_id) or self._open_prompt(source.group_id)
         start = prompt.prefix.numel()
         logits, _ = forward_segment(self.policy, source.token_ids, start, prompt.leaves, with_logits=True)
         self.passes.append(BoundaryPass(BoundaryWork.CONTINUATION, source.token_ids.numel() - start, start))
         score = segment_logprobs(logits, source.token_ids, source.scored_mask, start).sum() * weight
-        params, adjoints = self._grad([score], prompt.leaves)
+        params, adjoints = self._grad([score], prompt.leaves, contribution=contribution)
         if prompt.num_sources == 0:
             prompt.shift = source.reward
         for a1, a0, adj in zip(prompt.weighted, prompt.unweighted, adjoints, strict=True):
@@ -340,14 +365,20 @@ class TurnBoundaryBackward:
         parameters: The trainable parameters, in the order of
             :class:`~tslightning.core.parameter_layout.ParameterLayout`.
         dtype: dtype of the summed replay gradient; default the parameters' dtype promoted to float32.
+        backward: Folds every pass's parameter gradient into the batch accumulator as it is produced
+            (:data:`Backward`); ``None``: return it instead.
     """
 
     def __init__(
-        self, policy: torch.nn.Module, parameters: Sequence[torch.nn.Parameter], dtype: torch.dtype | None = None
+        self,
+        policy: torch.nn.Module,
+        parameters: Sequence[torch.nn.Parameter],
+        dtype: torch.dtype | None = None,
+        backward: Backward | None = None,
     ) -> None:
         check_full_attention(policy)
         self.policy = policy
-        self._grad = _GradientSplitter(parameters)
+        self._grad = _GradientSplitter(parameters, backward)
         self.dtype = dtype or torch.promote_types(self._grad.parameters[0].dtype, torch.float32)
         self._open: dict[tuple[str, int], _OpenTrajectory] = {}
         self.passes: list[BoundaryPass] = []
@@ -381,7 +412,7 @@ class TurnBoundaryBackward:
             ready.append(trajectory.waiting.pop(len(trajectory.turns) + len(ready)))
         return ready
 
-    def turn_gradient(self, source: TurnSource) -> list[torch.Tensor]:
+    def turn_gradient(self, source: TurnSource) -> list[torch.Tensor] | None:
         """Turn j's own-pass part of its unnormalized g_j (Eq. 8), for the turns :meth:`admit` returned, in order."""
         trajectory = self._open[(source.group_id, source.trajectory_index)]
         if source.turn_index != len(trajectory.turns):
@@ -400,15 +431,17 @@ class TurnBoundaryBackward:
         trajectory.turns.append(_Turn(source.token_ids, start, states, leaves, adjoint))
         return params
 
-    def close_trajectory(self, group_id: str, trajectory_index: int) -> list[torch.Tensor]:
-        """Replay the deferred boundary adjoints through earlier turns, last to first, and free the trajectory."""
+    def close_trajectory(self, group_id: str, trajectory_index: int) -> list[torch.Tensor] | None:
+        """Replay the deferred boundary adjoints through earlier turns, last to first, and free the trajectory;
+        returns their parameter gradient (``None`` when a ``backward`` folded each replay into the batch)."""
         trajectory = self._open.pop((group_id, trajectory_index))
         if trajectory.waiting:
             raise RuntimeError(
                 f"trajectory ({group_id!r}, {trajectory_index}) closed with turns {sorted(trajectory.waiting)} waiting "
                 f"for turn {len(trajectory.turns)}"
             )
-        total = [torch.zeros_like(p, dtype=self.dtype) for p in self._grad.parameters]
+        folding = self._grad.backward is not None
+        total = None if folding else [torch.zeros_like(p, dtype=self.dtype) for p in self._grad.parameters]
         turns = trajectory.turns
         while len(turns) > 1:
             later = turns.pop()  # its adjoint is complete: every turn after it has been replayed
@@ -419,7 +452,7 @@ class TurnBoundaryBackward:
             self.passes.append(
                 BoundaryPass(BoundaryWork.DEFERRED_BACKWARD, earlier.token_ids.numel() - earlier.start, earlier.start)
             )
-            for t, g in zip(total, params, strict=True):
+            for t, g in zip(total or (), params or (), strict=True):
                 t.add_(g.to(t.dtype))
             for a, g in zip(earlier.adjoint, adjoint, strict=True):
                 a.add_(g)

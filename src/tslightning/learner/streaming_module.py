@@ -28,12 +28,13 @@ from collections.abc import Callable
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
 from tslightning.core.batch_registry import BatchPlan, BatchRegistry, Objective
+from tslightning.core.contribution import BATCH, Contribution
 from tslightning.core.folding_queue import FoldingQueue
-from tslightning.core.group_accumulator import GroupAccumulator, GroupReduction
-from tslightning.core.parameter_layout import ParameterLayout, total_norm
+from tslightning.core.gradient_units import gradient_units
+from tslightning.core.group_accumulator import GroupReduction
+from tslightning.core.parameter_layout import ParameterLayout
 from tslightning.core.sources import (
     GroupClosed,
     PolicyVersionError,
@@ -44,26 +45,22 @@ from tslightning.core.sources import (
     TrajectorySource,
     TurnSource,
 )
-from tslightning.core.turn_accumulator import TurnAccumulator
-from tslightning.distributed.collectives import all_reduce_sum, control_all_reduce
-from tslightning.distributed.fsdp_gradients import gradient_leaves, shards_parameters, write_direction
+from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.lockstep import LockstepTicks
-from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
-from tslightning.distributed.statistics_shards import Contribution, statistics_shards
-from tslightning.distributed.zero_gradients import (
-    backward_direction,
-    clip_coefficient,
-    deepspeed_fabric,
-    partitions_parameters,
-    release_pass_leftovers,
+from tslightning.distributed.parameter_placement import (
+    ParameterPlacement,
+    ShardedStatisticsPlacement,
+    placement_of_strategy,
 )
+from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
+from tslightning.distributed.statistics_shards import StatisticsShards
 from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
 from tslightning.learner.group_admission import GroupAdmission
 from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
-from tslightning.learner.update_result import ServiceRecord, UpdateResult
+from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import scored_logprobs
@@ -95,12 +92,17 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             (each source runs its whole ``token_ids``) or ``boundary`` (a GRPO group's prompt and an OPD
             trajectory's earlier turns run once; boundary adjoints are back-propagated when the group or trajectory
             closes, App. I). ``sync`` is the batch-synchronous recompute baseline and accepts only ``recompute``.
-        statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; one
-            copy per source) or the policy's ``device`` (no copy; costs (2k+1) parameter-sized vectors there).
-        shard_statistics: GRPO under FSDP2: a rank holds its shard of the statistics (:attr:`last_direction` too;
-            ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`.
-        fold_queue_depth: Fold sources into the statistics on a background thread, at most this many pending
+        statistics_device: Where G1/G2 and the batch accumulator live: ``host`` memory (page-locked on CUDA; each
+            gradient unit staged through page-locked buffers, :mod:`tslightning.core.unit_folding`) or the policy's
+            ``device`` (no copy; costs (2k+1) parameter-sized vectors, or shards of them, there).
+        shard_statistics: Under FSDP2: a rank holds its shard of the statistics (:attr:`last_direction` too;
+            ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`. Shorthand for
+            ``placement=ShardedStatisticsPlacement()``.
+        fold_queue_depth: Fold gradient units into the statistics on a background thread, at most this many pending
             (:mod:`tslightning.core.folding_queue`); 0 folds on the learner thread.
+        placement: Where parameters, gradients and statistics live
+            (:mod:`tslightning.distributed.parameter_placement`); ``None``: the placement of the Fabric strategy that
+            sets the module up, chosen at the first batch.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         statistics_device: str = "host",
         shard_statistics: bool = False,
         fold_queue_depth: int = 0,
+        placement: ParameterPlacement | None = None,
     ) -> None:
         super().__init__()
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -141,26 +144,44 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.policy_version = 0
         self.num_optimizer_steps = 0
         self.layout = ParameterLayout(policy.parameters(), statistics_device)
+        self.layout.units = gradient_units(policy, self.layout.parameters)
         dtype = accumulator_dtype or torch.promote_types(self.layout.parameters[0].dtype, torch.float32)
         self.context_backward = ContextBackward(context_backward)
-        learner = (self.objective.value, self.context_backward.value, fold_queue_depth)
-        self.shards = statistics_shards(
-            shard_statistics, self.layout, self.advantage, advantage_epsilon, dtype, *learner
-        )
-        """This rank's shard of the GRPO statistics (``shard_statistics``), or ``None``: whole statistics."""
+        if shard_statistics and placement is None:
+            placement = ShardedStatisticsPlacement()
+        if (
+            placement is not None
+            and placement.shards_statistics
+            and self.context_backward is not ContextBackward.RECOMPUTE
+        ):
+            raise ValueError(
+                "shard_statistics folds each pass at its lock-step exchange, which needs context_backward='recompute' "
+                f"(got {self.context_backward.value!r}); set shard_statistics false"
+            )
+        self.placement = placement
+        """Where parameters, gradients and statistics live (``None`` until the first batch picks the strategy's)."""
         self.folding = FoldingQueue(fold_queue_depth) if fold_queue_depth else None
-        space, groups = (self.layout, None) if self.shards is None else (self.shards.layout, self.shards.groups)
-        self.groups = groups or GroupAccumulator(self.layout, self.advantage, advantage_epsilon, dtype, self.folding)
-        self.turns = TurnAccumulator(space, dtype, self.folding)  # OPD's sum (GRPO's shards never use it)
+        self.statistics = (placement or ParameterPlacement()).statistics(
+            self.layout, self.objective, self.advantage, advantage_epsilon, dtype, self.folding
+        )
+        """The objective's streaming statistics (this rank's shard of them under sharded statistics)."""
+        self.groups = self.statistics.groups
+        """GRPO's open groups' G1'/G2 and the batch accumulator (``None`` for OPD)."""
+        self.turns = self.statistics.turns
+        """OPD's Σ_j g_j and N_k (``None`` for GRPO)."""
         if self.context_backward is ContextBackward.BOUNDARY and self.schedule is not Schedule.THUNDERSYNC:
             raise ValueError(
                 f"context_backward='boundary' streams context adjoints under the thundersync schedule; the "
                 f"{self.schedule.value!r} schedule is the recompute baseline (use context_backward='recompute')"
             )
         boundary = self.context_backward is ContextBackward.BOUNDARY
-        self.shared_prompts = SharedPromptBackward(policy, self.layout.parameters, dtype) if boundary else None
+        self.shared_prompts = (
+            SharedPromptBackward(policy, self.layout.parameters, dtype, self._backward) if boundary else None
+        )
         """GRPO shared-prefix backward (``context_backward="boundary"``): prompt graphs of open groups."""
-        self.turn_boundaries = TurnBoundaryBackward(policy, self.layout.parameters, dtype) if boundary else None
+        self.turn_boundaries = (
+            TurnBoundaryBackward(policy, self.layout.parameters, dtype, self._backward) if boundary else None
+        )
         """OPD turn-boundary backward (``context_backward="boundary"``): turn graphs of open trajectories."""
         self.admission: GroupAdmission[Source | GroupClosed] = GroupAdmission(group_admission_cap)
         self.spread: SpreadGroups | None = None
@@ -176,9 +197,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         """Per-source service times of the current (or last finished) update."""
         self.lockstep: LockstepTicks | None = None
         """Lock-step serving of the open update (several ranks, ZeRO-3 or FSDP2 sharded parameters), or ``None``."""
-        self.update_timings: dict[str, float] = {}
-        """Seconds spent per phase of the current update (``learner_service_s``, ``barrier_s``; loop and callbacks
-        add ``rollout_wait_s``, ``publication_s``, ...)."""
+        self.update_timings: UpdateTimings = {}
+        """Seconds spent per phase of the current update (:class:`UpdateTimings`: ``learner_service_s``,
+        ``barrier_s``; loop and callbacks add ``rollout_wait_s``, ``publication_s``, ...)."""
 
     # ----------------------------------------------------------------- the stream
     @property
@@ -198,15 +219,13 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 + (" (zero-staleness schedule)" if self.max_policy_lag == 0 else "")
             )
         check_plan(plan, self.objective, self.advantage)
+        self._bind_placement()  # checks the parameters are placed as the placement says, before anything opens
         self.spread = spread_groups(plan, self.shards, self.admission.cap, self._serve, self._fold_trajectory)
-        if self.shards is not None:
-            self.shards.begin_batch()  # checks the parameters are FSDP2 shards first
         self.lockstep = self._lockstep_ticks()
-        self.groups.reset()  # (re)places the statistics: the policy may have moved to its device since
-        self.turns.reset()
+        self.statistics.reset()  # (re)places the statistics: the policy may have moved to its device since
         self._registry = BatchRegistry(plan)
         self.service_log = []
-        self.update_timings = {"learner_service_s": 0.0}
+        self.update_timings = UpdateTimings(learner_service_s=0.0)
         for boundary in (self.shared_prompts, self.turn_boundaries):
             if boundary is not None:
                 boundary.reset()  # its pass ledger, like service_log, describes the last update until now
@@ -255,7 +274,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             if isinstance(admitted, GroupClosed):
                 if self.lockstep is not None:  # admitted with its sources (a cap released it): fold them first
                     self.lockstep.flush(self.policy_version)
-                self._reductions.append((self.shards or self.groups).close(admitted.group_id))
+                self._reductions.append((self.shards or self.groups).close(admitted.group_id))  # drains the folds
                 if self.shared_prompts is not None:
                     self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
                 work.extend(self.admission.release(admitted.group_id))
@@ -286,54 +305,26 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         barrier_start = time.perf_counter()
         with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
             registry.require_complete()
-            if self.folding is not None:
-                self.folding.drain()  # a fold's error fails the update on every rank
-            if self.schedule is Schedule.SYNC:
-                self._compute_sync_direction(registry.plan)
-            if self.lockstep is not None:
-                self.lockstep.drain(self.policy_version)
-            if self.spread is not None and self.schedule is not Schedule.SYNC:
-                self._reductions = self.spread.reductions(self.shards)
-            if self.schedule is Schedule.SYNC:
-                self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
+            self._finish_learner_work(registry.plan)
         agree_to_step(self.policy_version)
         direction, num_tokens = self._reduced_direction()
-        norm = self._direction_norm(direction)
+        norm = self.placement.norm(direction)
         if not math.isfinite(norm):
             raise FloatingPointError(
                 f"batch direction of version {self.policy_version} is not finite; refusing to step"
             )
-        zero = deepspeed_fabric(self)  # ZeRO keeps gradients inside its engine: they arrive by a backward pass
-        fsdp = self._fsdp  # FSDP2: each rank writes its shard of the (clipped) direction
-        coefficient = clip_coefficient(norm, self.max_grad_norm)
-        if self.shards is not None:
-            self.shards.write_grads(direction, scale=-coefficient)
-        elif fsdp:
-            write_direction(self.layout, direction, scale=-coefficient)
-        elif zero is None:
-            self.layout.write_grads(direction, scale=-1.0)  # g_k is an ascent direction; optimizers descend
-        if before_step is not None:
-            before_step()
-        if zero is not None:
-            backward_direction(zero, self, self.layout, direction, scale=-coefficient)
-        if zero is not None or fsdp:  # the module clipped: the coefficient it applied
-            applied = coefficient * norm
-        else:
-            if self.max_grad_norm is not None:  # the norm of .grad as GradientClipping takes it, bit for bit
-                grad_norm = total_norm(p.grad for p in self.layout.parameters)
-                torch.nn.utils.clip_grads_with_norm_(self.layout.parameters, self.max_grad_norm, grad_norm)
-            applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype), dtype=torch.float64))
+        coefficient = self.placement.apply_direction(direction, norm, self.max_grad_norm, before_step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
         result = UpdateResult(
             policy_version=self.policy_version + 1,
             direction_norm=norm,
-            clip_coefficient=applied / norm if norm > 0 else 1.0,
+            clip_coefficient=coefficient,
             num_sources=self._num_sources,
             num_scored_tokens=num_tokens,
             groups=list(self._reductions),
-            peak_held_numel=self.groups.peak_held_numel if self.objective is Objective.GRPO else self.turns.held_numel,
+            peak_held_numel=self.statistics.peak_held_numel,
         )
         self.last_direction = direction
         self.last_update = result
@@ -342,47 +333,67 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self._reset_batch()
         return result
 
+    def _finish_learner_work(self, plan: BatchPlan) -> None:
+        """Everything of update k's learner work still outstanding at the barrier: the queued folds, the sync
+        schedule's whole batch, the other ranks' lock-step passes, the spread groups' reductions."""
+        if self.folding is not None:
+            self.folding.drain()  # a fold's error fails the update (on every rank)
+        if self.schedule is Schedule.SYNC:
+            self._compute_sync_direction(plan)
+            self.update_timings["sync_s"] = self.update_timings["learner_service_s"]
+        if self.lockstep is not None:
+            self.lockstep.drain(self.policy_version)
+        if self.spread is not None and self.schedule is not Schedule.SYNC:
+            self._reductions = self.spread.reductions(self.shards)
+
     # ----------------------------------------------------------------- per-source learner work (thundersync)
     def _fold_trajectory(self, source: TrajectorySource) -> None:
-        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1); fold into its group's G1/G2 (Eq. 7)."""
+        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1), folded unit by unit into its group's G1/G2
+        (Eq. 7) as the backward produces it."""
         plan = self._registry.plan
+        contribution = Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward)
+        weight = 1.0 / (plan.num_prompts * source.num_scored)
         if self.shared_prompts is not None:  # the continuation's part; the prompt's follows at group close
-            grads = self.shared_prompts.source_gradient(source, 1.0 / (plan.num_prompts * source.num_scored))
-        else:
-            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
-            score = logp.sum() / (plan.num_prompts * source.num_scored)
-            grads = self.layout.with_zeros(torch.autograd.grad(score, self._leaves(), allow_unused=True))
-        if self.shards is not None:  # folded by every rank at this tick's exchange
-            self.shards.stage(Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward), grads)
-        else:
-            self.groups.add(source.group_id, plan.group_sizes[source.group_id], source.reward, grads)
+            self.shared_prompts.source_gradient(source, weight, contribution)
+            return
+        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+        self._backward([logp.sum() * weight], contribution)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
         """The prompt part of a closed group's g_G, one backward of its combined boundary adjoint (App. I)."""
-        grads = self.shared_prompts.close_group(reduction)
-        if grads is not None:  # None: a uniform-reward group, or a one-token prompt
-            self.layout.add_(self.groups.batch, grads)
+        self.shared_prompts.close_group(reduction)  # folded into the batch accumulator (nothing for a uniform group)
 
     def _fold_turn(self, source: TurnSource) -> None:
         """g_j = Σ_t A_{j,t} ∇ log π_θ(a_{j,t}|h_{j,t}) with A detached (Eq. 8); unnormalized until the barrier."""
         if self.turn_boundaries is not None:  # the turn's own tokens; earlier turns' part follows at trajectory close
-            self.turns.add(self.turn_boundaries.turn_gradient(source), source.num_scored)
-            return
-        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
-        advantage = source.teacher_logprobs.to(logp) - logp.detach()
-        grads = torch.autograd.grad((advantage * logp).sum(), self._leaves(), allow_unused=True)
-        self.turns.add(self.layout.with_zeros(grads), source.num_scored)
+            self.turn_boundaries.turn_gradient(source)
+        else:
+            logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask)
+            advantage = source.teacher_logprobs.to(logp) - logp.detach()
+            self._backward([(advantage * logp).sum()], BATCH)
+        self.turns.count(source.num_scored)
 
     def _replay_turn_adjoints(self, closed: TrajectoryClosed) -> None:
         """A closed trajectory's deferred context gradient: boundary adjoints replayed through earlier turns."""
-        self.turns.add(self.turn_boundaries.close_trajectory(closed.group_id, closed.trajectory_index), 0)
+        self.turn_boundaries.close_trajectory(closed.group_id, closed.trajectory_index)
+
+    def _backward(
+        self,
+        outputs: list[torch.Tensor],
+        contribution: Contribution | None,
+        inputs: list[torch.Tensor] = (),
+        grad_outputs: list[torch.Tensor] | None = None,
+        retain_graph: bool = False,
+    ) -> list[torch.Tensor]:
+        """One pass's backward through the placement: the parameters' gradient is folded into ``contribution``'s
+        statistics unit by unit; returns the gradients of ``inputs`` (boundary adjoints)."""
+        return self.placement.backward(outputs, contribution, self.statistics, inputs, grad_outputs, retain_graph)
 
     # ----------------------------------------------------------------- batch-synchronous learner work (sync)
     def _compute_sync_direction(self, plan: BatchPlan) -> None:
         """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
         if self.shards is None:  # sharded, peers' shards may have arrived already: the batch's reset was at its start
-            self.groups.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
-        self.turns.reset()
+            self.statistics.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
         self._reductions = []
         self.service_log = []
         sources = sorted(self._held_sources, key=source_key)
@@ -397,14 +408,9 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
         """One padded micro-batch of the batch objective, folded into the batch accumulator."""
-        objective = batch_objective(self.policy, self.objective, chunk, weights)
-        grads = self.layout.with_zeros(torch.autograd.grad(objective, self._leaves(), allow_unused=True))
-        if self.shards is not None:
-            self.shards.stage(Contribution(None), grads)
-        elif self.objective is Objective.GRPO:
-            self.layout.add_(self.groups.batch, grads)
-        else:
-            self.turns.add(grads, sum(s.num_scored for s in chunk))
+        self._backward([batch_objective(self.policy, self.objective, chunk, weights)], BATCH)
+        if self.turns is not None:
+            self.turns.count(sum(s.num_scored for s in chunk))
 
     def _serve(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` — now, or at its lock-step tick — and record its service interval."""
@@ -414,17 +420,15 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             self._timed(sources, work)
 
     def _idle_pass(self) -> None:
-        """A lock-step tick's pass for a rank with no queued work: the collectives of one forward and backward."""
+        """A lock-step tick's pass for a rank with no queued work: the collectives of one forward and backward (and,
+        with sharded statistics, of every unit's exchange, sending nothing)."""
         tokens = torch.zeros(2, dtype=torch.long)
         logp = scored_logprobs(self.policy, tokens, torch.tensor([False, True]))
-        torch.autograd.grad(logp.sum(), self._leaves(), allow_unused=True)  # discarded: nothing is folded
-        release_pass_leftovers(self)
-        if self.shards is not None:
-            self.shards.exchange()  # the other ranks' shards still arrive (every rank exchanges after every pass)
+        self._backward([logp.sum()], None)  # nothing is folded
+        self.placement.after_pass()
 
     def _lockstep_ticks(self) -> LockstepTicks | None:
-        sharded = partitions_parameters(self.policy) or self._fsdp
-        if not (sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not self.placement.lockstep:
             return None
         if self.context_backward is not ContextBackward.RECOMPUTE:
             raise ValueError(
@@ -435,15 +439,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
-        start, failed = time.perf_counter(), True
-        try:
-            with pass_context(self):
-                work()
-            release_pass_leftovers(self)  # ZeRO-3 only
-            failed = False
-        finally:  # a failed pass exchanges too, sending nothing: its peers hear the failure at their next tick
-            if self.shards is not None:
-                self.shards.exchange(send=not failed)  # what this pass staged goes to every rank
+        start = time.perf_counter()
+        with pass_context(self):
+            work()
+        self.placement.after_pass()  # ZeRO-3: release what the pass left gathered
         end = time.perf_counter()
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
@@ -451,24 +450,13 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
     # ----------------------------------------------------------------- barrier pieces
     def _reduced_direction(self) -> tuple[torch.Tensor, int]:
         """Cross-rank sum, then the objective's normalization: GRPO Σ_G g_G; OPD Σ_j g_j / N_k (Eq. 9)."""
-        device = self.layout.parameters[0].device  # the data backend reduces there (NCCL: never a host tensor)
-        if self.shards is not None:  # every rank's sources are already folded into every shard
-            return self.groups.batch.clone(), self._num_scored_tokens
+        direction = self.placement.reduce(self.statistics.accumulator)
         if self.objective is Objective.GRPO:
-            return all_reduce_sum(self.groups.batch.clone(), device), self._num_scored_tokens
-        total = all_reduce_sum(self.turns.total.clone(), device)
+            return direction, self._num_scored_tokens
         count = int(control_all_reduce(torch.tensor([self.turns.num_tokens], dtype=torch.float64)).item())
         if count == 0:
             raise SourceError("OPD barrier with zero scored tokens across all ranks; the batch has no turn sources")
-        return total / count, count
-
-    def _direction_norm(self, direction: torch.Tensor) -> float:
-        """‖g_k‖ from float32 entries summed in float64; sharded, from every rank's shard (a collective)."""
-        return (
-            self.shards.norm(direction)
-            if self.shards
-            else float(torch.linalg.vector_norm(direction, dtype=torch.float64))
-        )
+        return direction / count, count
 
     def _reset_batch(self) -> None:
         self._registry = None
@@ -477,8 +465,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self._reductions = []
         self._num_sources = 0
         self._num_scored_tokens = 0
-        self.groups.reset()
-        self.turns.reset()
+        self.statistics.reset()
         self.admission.reset()
 
     def _require_registry(self) -> BatchRegistry:
@@ -488,12 +475,14 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             )
         return self._registry
 
-    def _leaves(self) -> list[torch.Tensor]:
-        """What a pass differentiates (after its forward): the parameters, or under FSDP2 their unsharded tensors."""
-        if self._fsdp:
-            return gradient_leaves(self.policy, self.layout.parameters)
-        return self.layout.parameters
+    def _bind_placement(self) -> None:
+        """Choose the placement once (the strategy's, unless one was given) and attach it to this module."""
+        if self.placement is None:
+            host = getattr(self, "_fabric", None) or getattr(self, "_trainer", None)
+            self.placement = placement_of_strategy(host.strategy if host is not None else None)
+        self.placement.bind(self)
 
     @property
-    def _fsdp(self) -> bool:
-        return shards_parameters(self.policy)
+    def shards(self) -> StatisticsShards | None:
+        """This rank's shard of the statistics (``shard_statistics``), or ``None``: whole statistics."""
+        return getattr(self.placement, "shards", None)

@@ -1,12 +1,31 @@
-"""What one barrier did (:class:`UpdateResult`) and when the learner served each source (:class:`ServiceRecord`, the
-release trace's service intervals, App. B)."""
+"""What one barrier did (:class:`UpdateResult`), when the learner served each source (:class:`ServiceRecord`, the
+release trace's service intervals, App. B) and how long each phase of the update took (:class:`UpdateTimings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from tslightning.core.group_accumulator import GroupReduction
 from tslightning.core.sources import TrajectorySource, TurnSource
+
+
+class UpdateTimings(TypedDict, total=False):
+    """Seconds per phase of the current update k (App. B's step decomposition), host wall clock. The streaming
+    module starts it at the batch's plan; the loop and callbacks add their phases. A phase that did not happen is
+    absent (no publication: no ``publication_s``). Callbacks read it as a plain ``dict``, so a module of another
+    project may keep one of its own with the same keys."""
+
+    learner_service_s: float
+    """Forward and backward passes of the update's sources (the ``sync`` schedule's, at the barrier, included)."""
+    sync_s: float
+    """``sync`` schedule: the learner work run at the barrier (part of ``learner_service_s``)."""
+    barrier_s: float
+    """Reduction, normalization, clipping and the optimizer step, without ``sync_s``."""
+    rollout_wait_s: float
+    """The learner waiting for the rollout with nothing to serve."""
+    publication_s: float
+    """θ_{k+1}'s publication until every replica acknowledged."""
 
 
 @dataclass

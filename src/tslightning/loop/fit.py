@@ -31,18 +31,19 @@ from tslightning.callbacks import (
 )
 from tslightning.core.batch_registry import Objective
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
+from tslightning.distributed.parameter_placement import placement_for
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import OptimizerSettings, Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.batch_replay import RecordedBatches
 from tslightning.loop.harness import start_harness, warm_start_format
+from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
 from tslightning.loop.run_config import resolved_config
 from tslightning.loop.run_directory import RunDirectory, open_run_directory
 from tslightning.loop.settings import (
-    PARTITIONED,
     CheckpointSettings,
     LoraSettings,
     ModelSettings,
@@ -68,6 +69,7 @@ from tslightning.loop.updates import (
     record_update,
     rollout_outcome,
 )
+from tslightning.measure.memory_plan import plan_report
 from tslightning.measure.timeline import plot_timeline
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.gateway.harness_settings import HarnessSettings
@@ -160,7 +162,9 @@ def fit(
     out = run.path
     torch.manual_seed(seed)
     lag = {"async": 1, "fully_async": staleness_bound}.get(schedule, 0)
-    module_clips = learner.strategy in PARTITIONED  # gradients live in ZeRO's engine or in shards
+    strategy = "ddp" if learner.strategy == "auto" and learner.world_size > 1 else learner.strategy
+    placement = placement_for(strategy, learner.shard_statistics)  # chosen once: everything else asks it
+    module_clips = placement.clips_in_module  # gradients live in ZeRO's engine or in shards
     replay = None if replay_batches is None else Path(replay_batches)
     # A replay starts no engine: nothing serves θ, so nothing publishes it (not a publisher with nobody to talk to).
     publisher = None if replay else WeightPublisher(every_rank=learner.world_size > 1)  # engine: set after launch
@@ -184,16 +188,17 @@ def fit(
         ],
     )
     fabric.launch()  # everything below runs once per learner rank, in one process group
-    placement = launched_rank(fabric, learner)
+    statistics_device = _statistics_device(fabric, arguments)
+    ranks = launched_rank(fabric, learner)
     with contextlib.ExitStack() as started:
-        started.enter_context(learner_cores(placement.share(learner.cpus)))
+        started.enter_context(learner_cores(ranks.share(learner.cpus)))
         layout = warm_start_format(harness) if warm_start.steps and not resume and fabric.global_rank == 0 else None
         policy, tokenizer, policy_dir = prepare_policy(
             fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing, layout
         )
         if replay is None:
             engine, datamodule = _start_rollout(
-                started, fabric, placement, policy, tokenizer, policy_dir, tasks, out, **arguments
+                started, fabric, ranks, policy, tokenizer, policy_dir, tasks, out, **arguments
             )
             publisher.engine, recorder.datamodule = engine, datamodule
         else:
@@ -210,11 +215,11 @@ def fit(
             optimizer=optimizer,
             max_policy_lag=lag,
             context_backward=context_backward,
-            statistics_device=learner.statistics_device,
-            shard_statistics=learner.shard_statistics,
+            statistics_device=statistics_device,
             fold_queue_depth=learner.fold_queue_depth,
+            placement=placement,
         )
-        fabric_optimizer = _set_up(fabric, module, learner.strategy)
+        fabric_optimizer = _set_up(fabric, module)
         first = 0 if resume is None else resume_from(resume, fabric, module, fabric_optimizer, engine)
         batches = out / "batches" if record_batches else None
         return _run_updates(
@@ -282,10 +287,25 @@ def _start_rollout(
     return engine, datamodule
 
 
-def _set_up(fabric, module: StreamingPolicyModule, strategy: str):
+def _statistics_device(fabric, arguments: dict) -> str:
+    """Where this run's statistics live, ``learner.statistics_device: auto`` resolved by the per-rank memory plan on
+    this rank's device, which global rank 0 prints on an accelerator (a CPU learner has one memory: the host)."""
+    learner, model, rollout = arguments["learner"], arguments["model"], arguments["rollout"]
+    if fabric.device.type != "cuda":
+        return "host" if learner.statistics_device == "auto" else learner.statistics_device
+    available = torch.cuda.get_device_properties(fabric.device).total_memory
+    planned = planned_memory(
+        policy_config(model), arguments["objective"], arguments["schedule"], model, rollout, learner,
+        arguments["group_admission_cap"], arguments["sync_micro_batch_size"], available,
+    )  # fmt: skip
+    rank_zero_info(plan_report(planned.plan, planned.shape, available / 2**30, learner.activation_checkpointing))
+    return planned.statistics_device
+
+
+def _set_up(fabric, module: StreamingPolicyModule):
     """Fabric's set-up of the module and its optimizer. The loop calls the module itself, not Fabric's wrapper:
     per-source forwards bypass DDP's (the barrier reduces)."""
-    if strategy == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
+    if module.placement.name == "fsdp":  # fully_shard replaces the parameters: the optimizer is built after it
         fabric.setup_module(module)
         optimizer = fabric.setup_optimizers(module.configure_optimizers())
         module._fabric_optimizers = [optimizer]  # as fabric.setup links them: module.optimizers() (checkpoints)

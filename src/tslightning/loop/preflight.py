@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.settings import OptimizerSettings
 from tslightning.loop.batch_replay import replay_problems
-from tslightning.loop.learner_shape import learner_shape, policy_config
+from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
 from tslightning.loop.settings import (
@@ -30,7 +30,6 @@ from tslightning.loop.settings import (
     settings_error,
 )
 from tslightning.loop.startup import select_tasks
-from tslightning.measure.memory_plan import plan_learner_memory
 from tslightning.rollout.core_placement import check_cores
 from tslightning.rollout.gateway.harness_settings import HarnessSettings
 from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config
@@ -108,9 +107,10 @@ def preflight(
     problems += _machine_problems(accelerator, rollout, learner, model)
     problems += server_problems(rollout) if replay_batches is None else []  # a replay talks to no server
     problems += process_group_problems(learner)
-    problems += statistics_problems(
-        objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
-    )
+    problems += memory_problems(
+        objective, schedule, model, rollout, learner, group_admission_cap, sync_micro_batch_size,
+        device_memory(accelerator),
+    )  # fmt: skip
     problems += (
         resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
     )
@@ -299,26 +299,29 @@ def process_group_problems(learner: LearnerSettings) -> list[str]:
     return problems
 
 
-def statistics_problems(
-    objective: str, model: ModelSettings, rollout: RolloutSettings, learner: LearnerSettings, cap, device_bytes
+def memory_problems(
+    objective: str,
+    schedule: str,
+    model: ModelSettings,
+    rollout: RolloutSettings,
+    learner: LearnerSettings,
+    cap,
+    sync_micro_batch_size: int,
+    device_bytes: int | None,
 ) -> list[str]:
-    """Device-resident statistics that alone exceed the learner device's memory (``device_bytes``; ``None``: not a
-    GPU run, nothing to check)."""
-    if learner.statistics_device != "device" or device_bytes is None:
+    """A run whose per-rank plan (:mod:`tslightning.measure.memory_plan`) exceeds the learner device's memory
+    (``device_bytes``; ``None``: not a GPU run, nothing to check), naming the settings to change."""
+    if device_bytes is None:
         return []
     config = policy_config(model)
-    shape = learner_shape(config, objective, model, rollout, learner, cap)
-    need = plan_learner_memory(config, shape, activations=False).statistics
-    if need <= device_bytes:
-        return []
-    return [
-        f"learner.statistics_device: device holds {shape.open_groups} open group(s)' G1/G2 and the batch accumulator, "
-        f"{need / 2**30:.1f} GiB, more than the learner GPU's {device_bytes / 2**30:.1f} GiB: set "
-        "learner.statistics_device: host, or group_admission_cap lower (tslightning plan shows every component)"
-    ]
+    planned = planned_memory(
+        config, objective, schedule, model, rollout, learner, cap, sync_micro_batch_size, device_bytes
+    )
+    return planned.problems()
 
 
-def _device_memory(accelerator: str) -> int | None:
+def device_memory(accelerator: str) -> int | None:
+    """Bytes of one learner GPU (``None``: a CPU learner)."""
     if accelerator not in ("cuda", "gpu", "auto") or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory

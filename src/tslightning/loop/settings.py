@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tslightning.distributed.parameter_placement import placement_for
 from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.models.tiny_model import TinyModelConfig
@@ -277,10 +278,9 @@ class WarmStartSettings:
         return problems
 
 
-PARTITIONED = ("deepspeed_stage_2", "deepspeed_stage_3", "fsdp")
-"""Learner strategies that partition the optimizer state across ranks."""
-SHARDED_PARAMETERS = ("deepspeed_stage_3", "fsdp")
-"""... and the parameters too (each forward gathers them: lock-step ticks)."""
+def shards_parameters(strategy: str) -> bool:
+    """Whether ``learner.strategy``'s placement shards the parameters (each pass gathers them: lock-step ticks)."""
+    return placement_for(strategy).shards_parameters
 
 
 @dataclass
@@ -330,7 +330,7 @@ def setting_problems(
             "runs the recompute learner (set context_backward: recompute)"
         )
     problems += learner.problems(schedule) + learner.sharding_problems(objective)
-    if learner.strategy in SHARDED_PARAMETERS and context_backward == "boundary":
+    if shards_parameters(learner.strategy) and context_backward == "boundary":
         problems.append(
             f"learner.strategy {learner.strategy!r} serves sources in lock-step, one policy pass each; the boundary "
             "context backward runs several per source: set context_backward=recompute"
@@ -403,7 +403,7 @@ def _placement_problems(model: ModelSettings, rollout: RolloutSettings, learner)
 def _shared_server_problems(model: ModelSettings, rollout: RolloutSettings, learner) -> list[str]:
     """What several learner ranks sharing ``vllm_server`` servers cannot do yet (global rank 0 publishes for all)."""
     problems = []
-    if model.lora is not None and learner.strategy in SHARDED_PARAMETERS:
+    if model.lora is not None and shards_parameters(learner.strategy):
         problems.append(
             f"model.lora with rollout.engine vllm_server on several ranks publishes global rank 0's adapter, which "
             f"learner.strategy {learner.strategy} shards over the ranks: set learner.strategy ddp"

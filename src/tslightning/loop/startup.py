@@ -28,6 +28,7 @@ from tslightning.rollout.rollout_datamodule import RolloutDataModule
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.tasks.demonstrations import task_demonstrations
+from tslightning.tasks.helper_services import helper_images
 from tslightning.tasks.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import SimulatedToolEnvironment, gauge_demonstrations, simulated_tasks
 from tslightning.tasks.split import split_of
@@ -382,11 +383,13 @@ def rollout_datamodule(
 
 
 def _build_image(task: TerminalTask) -> str | None:
-    """Build (or find in the cache) the image-lite environment of a task that needs one, before any rollout."""
+    """Build (or find in the cache) the image-lite environment of a task that needs one (and its helper services'),
+    before any rollout."""
     if task.needs.status != "build":
         return None
     try:
         build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+        helper_images(task)
     except ImageBuildError as error:
         return f"rollout.tasks: task {task.name!r}: its image did not build: environment/{error}"
     return None

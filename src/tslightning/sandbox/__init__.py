@@ -8,12 +8,15 @@ disk, orphans of verifier runs), a :mod:`~tslightning.sandbox.syscall_filter` re
 foreign limits, and :mod:`~tslightning.sandbox.file_tree` walks whatever trees a command leaves.
 
 :class:`~tslightning.sandbox.live_environment.LiveBubblewrapSandbox` keeps one live environment per attempt (what an
-agent command leaves running is there for the next), as Harbor's one container per attempt.
+agent command leaves running is there for the next), as Harbor's one container per attempt;
+:class:`~tslightning.sandbox.attempt_network.AttemptNetwork` is one attempt's network, shared by its environment,
+its helper services and its verifier (a compose project's network).
 
 Layer: at the bottom; imports nothing else of tslightning.
 """
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
+from tslightning.sandbox.attempt_network import AttemptNetwork
 from tslightning.sandbox.base import BASE_ENVIRONMENT, Sandbox
 from tslightning.sandbox.bubblewrap import BubblewrapSandbox
 from tslightning.sandbox.container import ContainerSandbox
@@ -30,6 +33,7 @@ __all__ = [
     "MOUNT_POINTS",
     "OUTPUT_KILL_FACTOR",
     "AttemptDirectory",
+    "AttemptNetwork",
     "Backend",
     "BubblewrapSandbox",
     "CommandResult",

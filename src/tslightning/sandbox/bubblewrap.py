@@ -38,16 +38,22 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tslightning.sandbox.attempt import MOUNT_POINTS, AttemptDirectory, Mount
 from tslightning.sandbox.base import BASE_ENVIRONMENT, DEFAULT_PATH, Sandbox, kernel_limits
 from tslightning.sandbox.errors import SandboxError, SandboxUnavailableError
 from tslightning.sandbox.file_tree import chown_tree
+from tslightning.sandbox.host_launcher import environment_argv
 from tslightning.sandbox.limits import SandboxLimits
 from tslightning.sandbox.root_filesystem import RootFilesystem
 from tslightning.sandbox.supervision import CommandRequest, Launch
 from tslightning.sandbox.syscall_filter import syscall_filter
+
+if TYPE_CHECKING:
+    from tslightning.sandbox.attempt_network import AttemptNetwork
 
 DEFAULT_UNPRIVILEGED_UID = 61000
 """Host uid (and gid) of sandboxed commands when the trainer runs as root; unassigned on common distributions."""
@@ -116,6 +122,9 @@ class BubblewrapSandbox(Sandbox):
         root: ``/app`` keeps the ownership its files were given (the image's), rather than all the sandbox's."""
         self.home: str | None = None
         """``HOME`` of the agent's commands in place of the default ``/tmp`` (the image ``USER``'s home)."""
+        self.network: AttemptNetwork | None = None
+        """The attempt's shared network (a task with helper services): every command, and a live environment, runs
+        in it instead of a network of its own (the trainer is root: it enters it before dropping to the uid)."""
         _check_namespaces(bwrap, self._host_uid)
 
     def network_for(self, verifier: bool) -> bool:
@@ -153,7 +162,12 @@ class BubblewrapSandbox(Sandbox):
     def _launch(self, request: CommandRequest) -> Launch:
         self._hand_over_mounts(request.mounts, self.kept_owners(request.verifier))
         _unlock_mount_points(self.attempt, request.mounts)
-        return self._bwrap_launch(request)
+        if self.network is None or self._host_uid is None:
+            return self._bwrap_launch(request)
+        launch = self._bwrap_launch(request, joined_network=True)
+        netns = os.dup(self.network.fd)  # inheritable; ``supervise`` closes it once started
+        argv = environment_argv(self._host_uid, launch.argv, netns)
+        return replace(launch, argv=argv, user=None, pass_fds=(*launch.pass_fds, netns))
 
     def _hand_over_mounts(self, mounts: tuple[Mount, ...], kept: tuple[Mount, ...]) -> None:
         """Hand ``mounts`` to the sandbox's uid (see :func:`_hand_over`; nothing to do when the trainer is not root),

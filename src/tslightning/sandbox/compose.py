@@ -2,7 +2,9 @@
 them: ``<cli> compose`` starts every service of the task's compose file, and the agent's commands are ``exec``s in
 its ``main`` service, exactly as in a one-container attempt.
 
-The task's compose file is used as published; a second file, written for the attempt, overrides the ``main``
+The task's compose file is used as published, its ``${VAR}`` values interpolated from the task's ``[environment]
+env`` and Harbor's compose variables, and started as Harbor starts it (``up --detach --wait``: every service with a
+healthcheck healthy first); a second file, written for the attempt, overrides the ``main``
 service with what the one-container backend sets on ``docker run``: the attempt's container name (so ``exec`` and
 ``cp`` address it), the task's image (built or pulled once per content hash), ``sleep infinity`` under ``--init``,
 the memory, process, CPU and ``/tmp`` limits, no ``NET_RAW``, no new privileges, a label; and the project's default
@@ -55,8 +57,9 @@ def compose_override(name: str, image: str, limits: SandboxLimits, cpus: float, 
 
 
 def compose_argv(cli: str, project: str, files: tuple[Path, ...], *action: str) -> list[str]:
-    """``<cli> compose -p PROJECT -f FILE... ACTION...``."""
-    argv = [cli, "compose", "--project-name", project]
+    """``<cli> compose --project-name PROJECT --project-directory DIR --file FILE... ACTION...``, the directory the
+    task's compose file's (its relative paths resolve there, as Harbor runs it)."""
+    argv = [cli, "compose", "--project-name", project, "--project-directory", str(files[0].parent)]
     for file in files:
         argv += ["--file", str(file)]
     return [*argv, *action]

@@ -82,6 +82,10 @@ class ContainerSandbox(Sandbox):
         self.compose_file: Path | None = None
         """The task's compose file, when it has helper containers: the attempt then runs them all with
         ``compose`` (:mod:`~tslightning.sandbox.compose`), its commands in the ``main`` service."""
+        self.compose_env: dict[str, str] = {}
+        """What the compose file's ``${VAR}`` values name (the task's ``[environment] env``, Harbor's variables)."""
+        self.compose_timeout_s = CONTROL_TIMEOUT_S
+        """Wall clock of ``compose up`` (it builds the helpers' images, then waits for them to be healthy)."""
         self.started = False
         self._commands = 0
 
@@ -161,7 +165,8 @@ class ContainerSandbox(Sandbox):
         _RUNNING.add(self)
         self.started = True
         try:
-            self._engine(*compose_argv(self.cli, self.name, files, "up", "--detach")[1:])
+            up = compose_argv(self.cli, self.name, files, "up", "--detach", "--wait")[1:]
+            self._engine(*up, env=self.compose_env, timeout_s=self.compose_timeout_s)
             if self.start_command:
                 start = ["exec", "--detach", "--workdir", self.workdir, self.name, "/bin/sh", "-c", self.start_command]
                 self._engine(*start)
@@ -190,11 +195,13 @@ class ContainerSandbox(Sandbox):
             script = f'p=$(cat {pid_file}) && pkill -KILL -P "$p"; kill -KILL "$p"'
             self._engine("exec", self.name, "sh", "-c", script)
 
-    def _engine(self, *arguments: str) -> str:
-        """Run one engine command; its stdout. Raises SandboxError naming the call and the engine's message."""
+    def _engine(self, *arguments: str, env: dict[str, str] | None = None, timeout_s: float = CONTROL_TIMEOUT_S) -> str:
+        """Run one engine command (with ``env`` added to the trainer's environment); its stdout. Raises SandboxError
+        naming the call and the engine's message."""
+        environment = {**os.environ, **env} if env else None
         try:
             done = subprocess.run(
-                [self.cli, *arguments], capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S, check=False
+                [self.cli, *arguments], capture_output=True, text=True, timeout=timeout_s, check=False, env=environment
             )
         except (OSError, subprocess.SubprocessError) as error:
             raise SandboxError(f"{self.cli} {arguments[0]} failed: {error}") from error
@@ -213,8 +220,9 @@ class ContainerSandbox(Sandbox):
         if self.compose_file is not None:
             down = ("down", "--volumes", "--remove-orphans", "--timeout", "0")
             argv = compose_argv(self.cli, self.name, self._compose_files(), *down)
+        environment = {**os.environ, **self.compose_env} if self.compose_env else None
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(argv, capture_output=True, timeout=CONTROL_TIMEOUT_S)
+            subprocess.run(argv, capture_output=True, timeout=CONTROL_TIMEOUT_S, env=environment)
 
 
 def engine_environment() -> dict[str, str]:

@@ -16,7 +16,10 @@ in Harbor: a fresh sandbox beside the environment, in its network namespace and 
 and in namespaces of its own (:mod:`~tslightning.sandbox.live_verification`), with ``/tests`` copied in only then;
 the environment ends when it returns, before its reward files are read. Where that cannot be (the trainer is not
 root, so there is no second uid to run it as; ``nsenter`` or ``setpriv`` missing; the environment is not running),
-the environment ends first and the verifier runs in a fresh per-command sandbox. :meth:`close` (the attempt's end)
+the environment ends first and the verifier runs in a fresh per-command sandbox (in the attempt's shared network
+when it has one: :attr:`~tslightning.sandbox.bubblewrap.BubblewrapSandbox.network`, where helper services answer).
+With an attempt network the environment starts in it rather than in a network of its own, so a restart (the next
+step of a multi-step task) finds the same services. :meth:`close` (the attempt's end)
 ends it too; bwrap's ``--die-with-parent`` ends it if the trainer dies.
 """
 
@@ -249,14 +252,16 @@ class LiveBubblewrapSandbox(BubblewrapSandbox):
                     "command": command, "shell": "/bin/bash", "rlimits": kernel_limits(limits), "cwd": cwd,
                     "env": self.agent_env(command_environment(env)),
                 }  # fmt: skip
-            own_network = self._host_uid is not None and not self.network_for(False)
+            own_network = self._host_uid is not None and (self.network is not None or not self.network_for(False))
             options = self._options(limits, LIVE_MOUNTS, "/", {}, False, passed, joined_network=own_network)
             init = [self.interpreter, "-I", "-S", "-B", f"{RUN_DIR}/session_init.py", str(passed.fds[0])]
             init.append(passed.data(marshal.dumps(environment)))
             options_fd = passed.data(b"".join(os.fsencode(option) + b"\0" for option in options))
             argv = [self._bwrap, "--args", options_fd, "--", *init]
-            if own_network:  # the root launcher makes the network (no privileged ports), then becomes the bwrap
-                argv = environment_argv(self._host_uid, argv)
+            if own_network:  # the root launcher makes the network (or enters the attempt's), then becomes the bwrap
+                netns = os.dup(self.network.fd) if self.network is not None else None
+                passed.fds += [netns] if netns is not None else []
+                argv = environment_argv(self._host_uid, argv, netns)
             self._keeper_log = tempfile.TemporaryFile(prefix="tsl-live-")
             self._keeper = subprocess.Popen(
                 argv,

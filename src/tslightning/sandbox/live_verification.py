@@ -33,20 +33,15 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
-from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from tslightning.sandbox.attempt import AttemptDirectory, Mount
 from tslightning.sandbox.bubblewrap import DEFAULT_UNPRIVILEGED_UID, _hand_over
 from tslightning.sandbox.errors import SandboxError
+from tslightning.sandbox.host_launcher import ENVIRONMENT_LAUNCHER, LAUNCHER, beside_argv, environment_argv
 
 DEFAULT_VERIFIER_UID = DEFAULT_UNPRIVILEGED_UID + 1
 """Host uid (and gid) of a verifier run beside a live environment; distinct from the agent's."""
 LOG_MODE = 0o700
-LAUNCHER = Path(__file__).with_name("verifier_launcher.py")
-ENVIRONMENT_LAUNCHER = LAUNCHER
-"""The same script starting a live environment (its own network, no idmapped binds: it runs wherever bwrap does)."""
 
 
 def hand_over_to_verifier(
@@ -76,33 +71,6 @@ def hand_over_to_verifier(
         os.chmod(logs, LOG_MODE, follow_symlinks=False)
     except OSError as error:
         raise SandboxError(f"could not hand the verifier's directories to uid {verifier_uid}: {error}") from error
-
-
-def beside_argv(
-    verifier_uid: int,
-    agent_uid: int,
-    netns_fd: int | None,
-    idmapped: Iterable[str | os.PathLike[str]],
-    bwrap_argv: Sequence[str],
-) -> list[str]:
-    """The host command (run as root) that starts the verifier's bwrap: in the network namespace open at
-    ``netns_fd`` (None: the trainer's), with the ``idmapped`` host directories showing ``agent_uid``'s files as
-    ``verifier_uid``'s, then as ``verifier_uid`` (see :mod:`~tslightning.sandbox.verifier_launcher`)."""
-    argv = [sys.executable, "-I", "-S", "-B", str(LAUNCHER)]
-    if netns_fd is not None:
-        argv += ["--net", str(netns_fd)]
-    argv += ["--uid", str(verifier_uid), "--agent-uid", str(agent_uid)]
-    for path in idmapped:
-        argv += ["--idmap", os.fspath(path)]
-    return [*argv, "--", *bwrap_argv]
-
-
-def environment_argv(agent_uid: int, bwrap_argv: Sequence[str]) -> list[str]:
-    """The host command (run as root) that starts a live environment's bwrap as ``agent_uid`` in a network namespace
-    of its own: loopback up, every port bindable, as in a container (see
-    :mod:`~tslightning.sandbox.verifier_launcher`); ``bwrap_argv`` must not unshare the network itself."""
-    launcher = [sys.executable, "-I", "-S", "-B", str(ENVIRONMENT_LAUNCHER), "--new-net", "1"]
-    return [*launcher, "--uid", str(agent_uid), "--agent-uid", str(agent_uid), "--", *bwrap_argv]
 
 
 __all__ = [

@@ -15,7 +15,10 @@ from pathlib import Path
 from tslightning.sandbox import ContainerSandbox
 from tslightning.sandbox.docker import DEFAULT_IMAGE
 from tslightning.tasks.image_lite import ImageBuildError
-from tslightning.tasks.terminal_task import TerminalTask
+from tslightning.tasks.terminal_task import TerminalTask, compose_variables
+
+COMPOSE_START_S = 300.0
+"""How long ``compose up --wait`` may wait for the services to be healthy, beyond building their images."""
 
 
 def context_digest(context: Path) -> str:
@@ -60,5 +63,7 @@ def prepare_container(task: TerminalTask, sandbox: ContainerSandbox, allow_inter
     sandbox.workdir = task.workdir
     sandbox.cpus = float(task.environment.cpus)
     sandbox.network = allow_internet and task.environment.network == "public"
-    if task.needs.status == "needs helper container" and task.compose_file is not None:
+    if task.needs.helpers and task.compose_file is not None:
         sandbox.compose_file = task.compose_file  # its helper services run with compose
+        sandbox.compose_env = compose_variables(task.root, task.environment)
+        sandbox.compose_timeout_s = task.environment.build_timeout_sec + COMPOSE_START_S

@@ -18,8 +18,16 @@ no container engine and no image registry, so each task is classified by what it
     The build fetches from hosts other than the package registries (``curl`` / ``wget`` / ``git clone`` of other
     sites, language registries other than PyPI): each host is named.
 ``needs helper container``
-    A compose file with services besides the task's own, or a verifier in a container of its own
-    (``[verifier] environment_mode = "separate"``).
+    A compose file asking for what no sandbox here gives a service (``privileged``, host networking, volumes outside
+    the task: each compose key named; :mod:`~tslightning.tasks.compose_project`), or a verifier in a container of
+    its own (``[verifier] environment_mode = "separate"``).
+``needs model API``
+    A helper service that calls a model API outside this machine (its key in the service's environment): attempts
+    run offline.
+
+A compose file's helper services (besides Harbor's ``main``) are built like the task's own image, each from its
+``build`` context or its ``image`` (a base a Debian root stands in for), so a task with helpers needs a build, and
+whatever a helper's Dockerfile needs (``needs image``, ``needs network at build``) is the task's, named by service.
 
 Every reason names the file and line (or key) it comes from, so ``tslightning tasks validate`` can say why a task
 cannot run here instead of reporting that its reference solution scored 0.
@@ -28,15 +36,20 @@ cannot run here instead of reporting that its reference solution scored 0.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import yaml
 
+from tslightning.tasks.compose_project import ComposeError, ComposeProject, ServiceSpec, read_compose
 from tslightning.tasks.dockerfile import Dockerfile, DockerfileError, Instruction, env_pairs
+from tslightning.tasks.stand_in_stages import stand_in_package
 
-EnvironmentStatus = Literal["host", "build", "needs image", "needs network at build", "needs helper container"]
+EnvironmentStatus = Literal[
+    "host", "build", "needs image", "needs network at build", "needs helper container", "needs model API"
+]
 
 MAPPED_BASES = ("python", "debian", "ubuntu", "buildpack-deps")
 """Base images (Docker Hub's official names, any tag) whose environment a Debian root with Python stands in for."""
@@ -73,6 +86,7 @@ PLACEHOLDER_COMMANDS = frozenset(
 )
 """``CMD`` values that only keep a container alive: no start-up service to run."""
 APP = "/app"
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 HARBOR_MAIN_SERVICE = "main"
 """The compose service Harbor runs the task's own environment in; every other service is a helper container."""
 
@@ -80,7 +94,7 @@ _URL = re.compile(r"\b(?:https?|ftp|git)://([A-Za-z0-9.-]+)")
 _SSH_GIT = re.compile(r"\bgit@([A-Za-z0-9.-]+):")
 _IGNORED = frozenset({"ARG", "LABEL", "EXPOSE", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "VOLUME"})
 _ORDER: tuple[EnvironmentStatus, ...] = (
-    "needs helper container", "needs image", "needs network at build", "build", "host",
+    "needs model API", "needs helper container", "needs image", "needs network at build", "build", "host",
 )  # fmt: skip
 
 
@@ -96,6 +110,7 @@ class EnvironmentNeeds:
         workdir: The image's last ``WORKDIR`` (``None``: not set).
         start_command: The image's start-up command (``ENTRYPOINT`` + ``CMD``), ``None`` for none or a placeholder.
         network_hosts: Hosts outside the package registries the build fetches from.
+        compose: The task's compose file, when it has one (its helper services and ``main``'s overrides).
     """
 
     status: EnvironmentStatus
@@ -105,6 +120,12 @@ class EnvironmentNeeds:
     workdir: str | None = None
     start_command: str | None = None
     network_hosts: tuple[str, ...] = ()
+    compose: ComposeProject | None = None
+
+    @property
+    def helpers(self) -> list[ServiceSpec]:
+        """The compose file's helper services, in start order (none without a compose file)."""
+        return self.compose.helpers if self.compose is not None else []
 
     @property
     def summary(self) -> str:
@@ -130,6 +151,7 @@ def environment_needs(
     environment_dir: Path,
     docker_image: str | None = None,
     verifier_mode: str | None = None,
+    variables: Mapping[str, str] | None = None,
 ) -> EnvironmentNeeds:
     """Classify the environment of the task whose ``environment/`` is ``environment_dir``.
 
@@ -137,30 +159,33 @@ def environment_needs(
         environment_dir: The task's ``environment/`` (its Dockerfile, compose file and build context).
         docker_image: ``[environment] docker_image``.
         verifier_mode: ``[verifier] environment_mode``.
+        variables: What the compose file's ``${VAR}`` values name (``[environment] env``, Harbor's variables).
 
     Raises:
-        DockerfileError: the Dockerfile cannot be read (the message names the line).
+        DockerfileError: a Dockerfile cannot be read (the message names the line).
+        ComposeError: the compose file cannot be read (the message names the key).
     """
     findings = _Findings()
-    _check_compose(environment_dir, findings)
+    compose = _check_compose(environment_dir, variables or {}, findings)
     if verifier_mode == "separate":
         findings.add("needs helper container", "task.toml: [verifier] runs in a container of its own (separate)")
     path = environment_dir / "Dockerfile"
     if not path.is_file():
         if docker_image:
             findings.add("needs image", f"task.toml: [environment] docker_image {docker_image!r} and no Dockerfile")
-        return _needs(findings)
+        return _needs(findings, compose=compose)
     dockerfile = Dockerfile.read(path)
     env, workdir, start = _read_image(dockerfile, environment_dir, findings)
-    return _needs(findings, dockerfile, env, workdir, start)
+    if compose is not None:
+        env.update(compose.main.environment)  # the container's environment: every command of main sees it
+    return _needs(findings, dockerfile, env, workdir, start, compose)
 
 
-def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=None) -> EnvironmentNeeds:
+def _needs(findings: _Findings, dockerfile=None, env=None, workdir=None, start=None, compose=None) -> EnvironmentNeeds:
     status = findings.status()
     reasons = tuple(reason for s in _ORDER[: _ORDER.index(status) + 1] for reason in findings.by_status[s])
-    return EnvironmentNeeds(
-        status, reasons, dockerfile, env or {}, workdir, start, tuple(dict.fromkeys(findings.hosts))
-    )
+    hosts = tuple(dict.fromkeys(findings.hosts))
+    return EnvironmentNeeds(status, reasons, dockerfile, env or {}, workdir, start, hosts, compose)
 
 
 def base_of(image: str) -> tuple[str, str] | None:
@@ -177,9 +202,10 @@ def base_of(image: str) -> tuple[str, str] | None:
     return (name, tag or "latest") if name in MAPPED_BASES else None
 
 
-def _read_image(dockerfile: Dockerfile, context: Path, findings: _Findings):
-    """Walk the instructions: base, files, working directory, environment, build steps, start-up command."""
-    where = dockerfile.path.name
+def _read_image(dockerfile: Dockerfile, context: Path, findings: _Findings, where: str | None = None):
+    """Walk the instructions: base, files, working directory, environment, build steps, start-up command
+    (``where`` names the Dockerfile in reasons: default its file name)."""
+    where = where or dockerfile.path.name
     if dockerfile.stages > 1:
         findings.add("needs image", f"{where}: a multi-stage build ({dockerfile.stages} FROM lines)")
     if base_of(dockerfile.base_image) is None:
@@ -218,7 +244,11 @@ def _read_image(dockerfile: Dockerfile, context: Path, findings: _Findings):
 def _check_copy(instruction: Instruction, at: str, workdir: str | None, context: Path, findings: _Findings) -> None:
     words = instruction.words()
     if "from" in instruction.flags:
-        findings.add("needs image", f"{at}: COPY --from={instruction.flags['from']} (a file from another image)")
+        stage = instruction.flags["from"]
+        if stand_in_package(stage) is not None:
+            findings.add("build", f"{at}: COPY --from={stage} (its binaries, from the {stand_in_package(stage)} wheel)")
+        else:
+            findings.add("needs image", f"{at}: COPY --from={stage} (a file from another image)")
         return
     if len(words) < 2 and not instruction.heredocs:
         findings.add("build", f"{at}: {instruction.keyword} needs a source and a destination")
@@ -262,28 +292,59 @@ def _check_network(text: str, at: str, findings: _Findings) -> None:
             findings.add("needs network at build", f"{at}: {tool} installs from {registry}")
 
 
-def _check_compose(environment_dir: Path, findings: _Findings) -> None:
-    for name in ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml"):
-        path = environment_dir / name
-        if not path.is_file():
-            continue
-        try:
-            services = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("services") or {}
-        except (yaml.YAMLError, AttributeError, UnicodeDecodeError) as error:
-            findings.add("needs helper container", f"{name}: unreadable compose file ({type(error).__name__})")
-            return
-        helpers = sorted(service for service in services if service != _own_service(services))
-        if helpers:
-            findings.add("needs helper container", f"{name}: services besides the task's own ({', '.join(helpers)})")
+def _check_compose(environment_dir: Path, variables: Mapping[str, str], findings: _Findings) -> ComposeProject | None:
+    """Read the compose file, if any: what it refuses, and what each helper service's image needs."""
+    path = next((environment_dir / name for name in COMPOSE_FILES if (environment_dir / name).is_file()), None)
+    if path is None:
+        return None
+    project = read_compose(path, variables, own_service(path))
+    for reason in project.model_apis:
+        findings.add("needs model API", reason)
+    for reason in project.refusals:
+        findings.add("needs helper container", reason)
+    helpers = project.helpers
+    if helpers:
+        names = ", ".join(service.name for service in helpers)
+        findings.add("build", f"{path.name}: helper services {names} (each built as its image, beside the task's own)")
+    for service in helpers:
+        _check_service(service, environment_dir, findings, path.name)
+    return project
+
+
+def _check_service(service: ServiceSpec, environment_dir: Path, findings: _Findings, compose_name: str) -> None:
+    """What one helper's image needs (its Dockerfile read as the task's own is), each reason naming the service."""
+    where = f"{compose_name}: services.{service.name}"
+    if service.dockerfile is None:
+        if service.image is None:
+            findings.add("needs helper container", f"{where}: neither build nor image")
+        elif base_of(service.image) is None:
+            findings.add("needs image", f"{where}.image {service.image} (no Debian root stands in for it)")
         return
+    if not service.dockerfile.is_file():
+        findings.add("needs helper container", f"{where}.build: no Dockerfile at {service.dockerfile.name}")
+        return
+    dockerfile = Dockerfile.read(service.dockerfile)
+    label = f"{service.name}: {service.dockerfile.relative_to(environment_dir.resolve())}"
+    helper = _Findings()
+    _read_image(dockerfile, service.dockerfile.parent, helper, label)
+    for status in ("needs image", "needs network at build"):
+        for reason in helper.by_status[status]:
+            findings.add(status, reason)
+    findings.hosts += helper.hosts
 
 
-def _own_service(services: dict) -> str | None:
+def own_service(path: Path) -> str:
     """The task's own service of a compose file: Harbor's ``main`` (its build, image and command come from Harbor's
-    base file, so the task's file often overrides only ``depends_on``), else the one that builds, else none."""
-    if HARBOR_MAIN_SERVICE in services:
+    base file, so the task's file often overrides only ``depends_on``), else the one that builds (Terminal-Bench 1's
+    one service), else ``main``."""
+    try:
+        services = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("services") or {}
+    except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+        return HARBOR_MAIN_SERVICE  # read_compose says what is wrong
+    if not isinstance(services, dict) or HARBOR_MAIN_SERVICE in services:
         return HARBOR_MAIN_SERVICE
-    return next((name for name, spec in services.items() if isinstance(spec, dict) and "build" in spec), None)
+    builds = (name for name, spec in services.items() if isinstance(spec, dict) and "build" in spec)
+    return str(next(builds, HARBOR_MAIN_SERVICE))
 
 
 def _start_command(entrypoint: Instruction | None, command: Instruction | None) -> str | None:
@@ -313,4 +374,12 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-__all__ = ["DockerfileError", "EnvironmentNeeds", "EnvironmentStatus", "base_of", "environment_needs"]
+__all__ = [
+    "ComposeError",
+    "DockerfileError",
+    "EnvironmentNeeds",
+    "EnvironmentStatus",
+    "base_of",
+    "environment_needs",
+    "own_service",
+]

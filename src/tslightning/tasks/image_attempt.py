@@ -13,6 +13,7 @@ non-root ``USER`` runs the agent's commands and ``CMD`` as that user, the copies
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -43,22 +44,52 @@ def image_for(task: TerminalTask, image: ImageLite | Literal["auto"] | None) -> 
     return build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
 
 
-def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory, sandbox: Sandbox) -> None:
-    """Prepare ``attempt`` and ``sandbox`` to run in ``image`` (see the module docstring).
+def enter_image(
+    image: ImageLite,
+    task: TerminalTask,
+    attempt: AttemptDirectory,
+    sandbox: Sandbox,
+    hosts: Sequence[tuple[str, str]] = (),
+    volumes: Mapping[str, Path] | None = None,
+) -> None:
+    """Prepare ``attempt`` and ``sandbox`` to run in ``image`` (see the module docstring), with ``hosts`` (name,
+    address) added to its ``/etc/hosts`` and ``volumes`` (path inside → host directory) bound writable.
 
     Raises:
         SandboxUnavailableError: the backend cannot run commands in a built root (only bubblewrap can).
+        ValueError: a volume's path does not exist in the image (a read-only root cannot grow it).
+    """
+    enter_root(image, attempt, sandbox, task.workdir, task.name, hosts, volumes)
+    if image.start_command and isinstance(sandbox, LiveBubblewrapSandbox):
+        sandbox.startup = (image.start_command, task.workdir, task.command_env)
+
+
+def enter_root(
+    image: ImageLite,
+    attempt: AttemptDirectory,
+    sandbox: Sandbox,
+    workdir: str,
+    name: str,
+    hosts: Sequence[tuple[str, str]] = (),
+    volumes: Mapping[str, Path] | None = None,
+) -> None:
+    """Show ``image``'s root to ``sandbox``'s commands with the attempt's private copies (``/app`` seeded from the
+    image, ``workdir`` and :data:`WRITABLE`, :data:`PRIVATE_FILES`), for the task or helper service ``name``.
+
+    Raises:
+        SandboxUnavailableError: the backend cannot run commands in a built root (only bubblewrap can).
+        ValueError: a volume's path does not exist in the image.
     """
     if not isinstance(sandbox, BubblewrapSandbox):
         raise SandboxUnavailableError(
-            f"task {task.name!r} runs in an image-lite environment, which needs sandbox.backend='bubblewrap'"
+            f"task {name!r} runs in an image-lite environment, which needs sandbox.backend='bubblewrap'"
         )
     image_app = image.rootfs / APP.lstrip("/")
     attempt.wrote_from_host()
     if image_app.is_dir():
         copy_tree(image_app, attempt.app)
     writable = {}
-    candidates = list(dict.fromkeys([task.workdir, *WRITABLE]))
+    candidates = list(dict.fromkeys([workdir, *WRITABLE]))
     for inside in candidates:
         source = image.rootfs / inside.lstrip("/")
         if inside in ("/", APP) or inside.startswith(f"{APP}/") or not source.is_dir():
@@ -70,14 +101,22 @@ def enter_image(image: ImageLite, task: TerminalTask, attempt: AttemptDirectory,
         writable[inside] = host
     owned = (image.uid, image.gid) != ROOT_IDS
     if owned:
-        _enter_as_user(image, task, sandbox, [(image_app, attempt.app), *_sources(image, writable)])
-    sandbox.use_root(RootFilesystem(image.rootfs, writable, files=_private_files(image, attempt)), owned=owned)
-    if image.start_command and isinstance(sandbox, LiveBubblewrapSandbox):
-        sandbox.startup = (image.start_command, task.workdir, task.command_env)
+        _enter_as_user(image, name, sandbox, [(image_app, attempt.app), *_sources(image, writable)])
+    for inside, host in (volumes or {}).items():
+        if not (image.rootfs / inside.lstrip("/")).is_dir():
+            raise ValueError(
+                f"{name}: volume {inside} is not a directory in the image (a read-only root cannot grow it)"
+            )
+        writable[inside] = host
+    files = _private_files(image, attempt, hosts)
+    sandbox.use_root(RootFilesystem(image.rootfs, writable, files=files), owned=owned)
 
 
-def _private_files(image: ImageLite, attempt: AttemptDirectory) -> dict[str, Path]:
-    """The attempt's own copies of :data:`PRIVATE_FILES` (root's, as Docker's are: a ``USER`` cannot write them)."""
+def _private_files(
+    image: ImageLite, attempt: AttemptDirectory, hosts: Sequence[tuple[str, str]] = ()
+) -> dict[str, Path]:
+    """The attempt's own copies of :data:`PRIVATE_FILES` (root's, as Docker's are: a ``USER`` cannot write them),
+    ``/etc/hosts`` naming ``hosts`` (a compose project's services) as Docker's network names them."""
     files = {}
     for inside in PRIVATE_FILES:
         source = image.rootfs / inside.lstrip("/")
@@ -86,11 +125,14 @@ def _private_files(image: ImageLite, attempt: AttemptDirectory) -> dict[str, Pat
         copy = attempt.root / "image-files" / inside.lstrip("/").replace("/", "-")
         copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, copy)
+        if inside == "/etc/hosts" and hosts:
+            with copy.open("a", encoding="utf-8") as table:
+                table.writelines(f"{address}\t{name}\n" for name, address in hosts)
         files[inside] = copy
     return files
 
 
-def _enter_as_user(image: ImageLite, task: TerminalTask, sandbox: BubblewrapSandbox, copies) -> None:
+def _enter_as_user(image: ImageLite, name: str, sandbox: BubblewrapSandbox, copies) -> None:
     """Run the agent's commands as the image's ``USER``, its files in the attempt's copies its own
     (:mod:`~tslightning.tasks.image_user`).
 
@@ -99,7 +141,7 @@ def _enter_as_user(image: ImageLite, task: TerminalTask, sandbox: BubblewrapSand
     """
     if sandbox.host_uid is None:
         raise SandboxUnavailableError(
-            f"task {task.name!r}: its image runs as USER {image.user}, which needs the trainer to run as root "
+            f"task {name!r}: its image runs as USER {image.user}, which needs the trainer to run as root "
             "(the attempt's files keep the image's owners)"
         )
     sandbox.identity = (image.uid, image.gid)

@@ -39,6 +39,7 @@ from tslightning.tasks.dockerfile import Dockerfile, Instruction, env_pairs
 from tslightning.tasks.environment_needs import base_of
 from tslightning.tasks.image_user import ROOT_IDS, home_of, resolve_user
 from tslightning.tasks.offline_toolchain import default_cache_dir
+from tslightning.tasks.stand_in_stages import StageError, stage_files
 
 BUILDER_VERSION = "1"
 """Part of every cache key: a change to how images are built invalidates the cache."""
@@ -48,6 +49,9 @@ SYSTEM_PACKAGES = ("python3", "ca-certificates")
 WRITABLE = ("/root", "/home", "/var/tmp")
 """Directories of the image every attempt gets a private writable copy of (with the image's working directory)."""
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")
+"""Variables naming the CA bundle TLS clients trust (OpenSSL, requests, curl, pip; uv reads ``SSL_CERT_FILE``)."""
+STEP_CA_BUNDLE = "/tmp/.tsl-trusted-ca.crt"
 
 
 class ImageBuildError(RuntimeError):
@@ -64,15 +68,22 @@ class ImageBuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class BaseChoice:
-    """The Debian root standing in for a ``FROM`` image."""
+    """The Debian root standing in for a ``FROM`` image.
+
+    Attributes:
+        system_pip: ``pip install`` installs system-wide (into ``/usr/local``), as in the official ``python`` images:
+            Debian's PEP 668 marker (``EXTERNALLY-MANAGED``), which refuses it, is removed from the root.
+    """
 
     suite: str
     packages: tuple[str, ...]
     note: str
+    system_pip: bool = False
 
     @property
     def key(self) -> str:
-        return _digest(f"{BUILDER_VERSION}|{self.suite}|{','.join(self.packages)}".encode())
+        pip = "|system-pip" if self.system_pip else ""
+        return _digest(f"{BUILDER_VERSION}|{self.suite}|{','.join(self.packages)}{pip}".encode())
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,8 @@ def base_for(image: str) -> BaseChoice:
     if name == "python":
         version = tag.split("-")[0]
         suite = named or ("bookworm" if version in ("3", "3.8", "3.9", "3.10", "3.11") else "trixie")
-        return BaseChoice(suite, PYTHON_PACKAGES, f"python:{tag} → Debian {suite} (Python {SUITE_PYTHON[suite]})")
+        note = f"python:{tag} → Debian {suite} (Python {SUITE_PYTHON[suite]})"
+        return BaseChoice(suite, PYTHON_PACKAGES, note, system_pip=True)
     if name in ("debian", "buildpack-deps"):
         suite = named or ("bookworm" if tag.split("-")[0] in ("12", "bookworm") else "trixie")
         extra = ("curl", "git", "build-essential") if name == "buildpack-deps" else ()
@@ -186,7 +198,7 @@ def _build(dockerfile, context, base, target, choice, started, deadline, log) ->
     building.mkdir(parents=True)
     rootfs = building / "rootfs"
     subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], check=True)
-    state = {"env": {}, "workdir": "/", "start": None, "user": None, "ids": ROOT_IDS}
+    state = {"env": {}, "workdir": "/", "start": None, "user": None, "ids": ROOT_IDS, "images": target.parent}
     try:
         for instruction in dockerfile.instructions:
             _apply(instruction, rootfs, context, state, deadline, log)
@@ -255,6 +267,10 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         "--tmpfs",
         "/tmp",
     ]
+    bundle = trusted_bundle()
+    if bundle is not None:  # inside the step's own /tmp: nothing of it lands in the image
+        argv += ["--ro-bind", bundle, STEP_CA_BUNDLE]
+        env.update(dict.fromkeys(CA_VARIABLES, STEP_CA_BUNDLE))
     uid, gid = state["ids"]
     if (uid, gid) != ROOT_IDS:  # as the USER: bwrap started as its host ids maps them to themselves
         argv += ["--unshare-user", "--uid", str(uid), "--gid", str(gid)]
@@ -285,7 +301,23 @@ def _run(instruction: Instruction, rootfs: Path, state: dict, deadline: float, l
         raise ImageBuildError(f"Dockerfile:{instruction.line}: RUN exited {code}: {tail}")
 
 
+def trusted_bundle() -> str | None:
+    """The CA bundle the trainer's environment names (:data:`CA_VARIABLES`), else ``None``: where the trainer
+    reaches the registries through a proxy that re-signs TLS with its own CA, ``RUN`` steps trust that bundle too
+    (else ``pip install`` fails certificate checks against the image's own CA store)."""
+    for name in CA_VARIABLES:
+        path = os.environ.get(name)
+        if path and os.path.isfile(path):
+            return os.path.realpath(path)
+    return None
+
+
 def _copy(instruction: Instruction, rootfs: Path, context: Path, state: dict) -> None:
+    if "from" in instruction.flags:  # an image a wheel stands in for (environment_needs refuses any other)
+        try:
+            context = stage_files(instruction.flags["from"], state["images"])
+        except StageError as error:
+            raise ImageBuildError(f"Dockerfile:{instruction.line}: {error}", needs=error.needs) from error
     words = instruction.words()
     destination = _inside(words[-1], state["workdir"]) + ("/" if words[-1].endswith("/") else "")
     if instruction.heredocs:
@@ -363,6 +395,9 @@ def _base_root(images: Path, choice: BaseChoice, deadline: float) -> Path:
             shutil.rmtree(building, ignore_errors=True)
             tail = (done.stdout + done.stderr).decode("utf-8", "replace").strip()[-1500:]
             raise ImageBuildError(f"mmdebstrap {choice.suite} failed: {tail}")
+        if choice.system_pip:
+            for marker in (building / "rootfs" / "usr" / "lib").glob("python3*/EXTERNALLY-MANAGED"):
+                marker.unlink()
         shutil.rmtree(target, ignore_errors=True)
         os.replace(building, target)
     return target / "rootfs"

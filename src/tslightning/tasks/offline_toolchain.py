@@ -37,6 +37,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,8 @@ _PIN = re.compile(
     r"(?:(?:-w|--with)[ =]|(?:uv\s+pip|pip3?|uv)\s+(?:install|add)\s+(?:-\S+\s+)*)"
     r"['\"]?([A-Za-z0-9][A-Za-z0-9._-]*(?:\[[^\]]*\])?==[A-Za-z0-9.*+!_-]+)"
 )
+_UNPINNED = re.compile(r"(?:-w|--with)[ =]['\"]?([A-Za-z0-9][A-Za-z0-9._-]*)(?=['\"]?(?:\s|$))")
+_SCRIPT_BLOCK = re.compile(r"^# /// script\s*$\n((?:^#(?: .*)?$\n)*?)^# ///\s*$", re.M)
 _SCRIPT_SUFFIXES = (".sh",)
 _FETCHES = (
     re.compile(r"astral\.sh/uv[^\s|]*"),
@@ -227,6 +230,16 @@ def toolchain_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
     return {**env, "PATH": f"{TOOLCHAIN_BIN}:{env.get('PATH', DEFAULT_PATH)}"}
 
 
+def service_env(sandbox: Sandbox, env: dict[str, str]) -> dict[str, str]:
+    """``env`` of a helper service's commands where ``sandbox`` shows the toolchain: ``uv`` (its image's own, as
+    ``uv run server.py`` with inline dependencies) resolves offline from the wheel cache, as the toolchain's wrappers
+    make it."""
+    if TOOLCHAIN_MOUNT not in sandbox.shared:
+        return env
+    offline = {"UV_OFFLINE": "1", "UV_NO_INDEX": "1", "UV_FIND_LINKS": f"{TOOLCHAIN_MOUNT}/wheels"}
+    return {**offline, "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1", "UV_LINK_MODE": "copy", **env}
+
+
 def fetches_toolchain(tests: Path) -> str | None:
     """What in ``tests`` (a verifier's ``test.sh``, or a tests directory: every shell script in it, as
     ``run-tests.sh`` sources its helpers) downloads a toolchain from the internet (the uv installer, a ``uvx`` /
@@ -250,7 +263,7 @@ def prepare_toolchain(cache_dir: Path | None = None) -> Toolchain:
         FileNotFoundError: the ``uv`` binary is not installed (the message names the fix).
     """
     root = (cache_dir or default_cache_dir()) / "toolchain"
-    uv = _uv_binary()
+    uv = uv_binary()
     (root / "bin").mkdir(parents=True, exist_ok=True)
     (root / "uv").mkdir(exist_ok=True)
     (root / "wheels").mkdir(exist_ok=True)
@@ -265,14 +278,35 @@ def prepare_toolchain(cache_dir: Path | None = None) -> Toolchain:
 
 
 def requirements_of(task_dirs: Iterable[Path]) -> list[str]:
-    """Every ``name==version`` pin the tasks' shell scripts install (``-w``, ``--with``, ``pip install``, ``uv add``),
-    with :data:`DEFAULT_REQUIREMENTS`; sorted, without duplicates."""
+    """Every package the tasks' files install with uv or pip, with :data:`DEFAULT_REQUIREMENTS`: ``name==version``
+    pins in shell scripts (``-w``, ``--with``, ``pip install``, ``uv add``), unpinned ``--with NAME`` (the newest,
+    fetched now), and the ``dependencies`` of inline script metadata (PEP 723: a helper's ``uv run server.py``);
+    sorted, without duplicates."""
     pins = set(DEFAULT_REQUIREMENTS)
     for task_dir in task_dirs:
         for path in Path(task_dir).rglob("*"):
-            if path.is_file() and path.suffix in _SCRIPT_SUFFIXES:
-                pins.update(_PIN.findall(path.read_text(encoding="utf-8", errors="replace")))
+            if not path.is_file() or path.suffix not in (*_SCRIPT_SUFFIXES, ".py"):
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if path.suffix == ".py":
+                pins.update(_script_dependencies(text))
+                continue
+            pins.update(_PIN.findall(text))
+            pins.update(name for name in _UNPINNED.findall(text) if not any(p.startswith(f"{name}==") for p in pins))
     return sorted(pins)
+
+
+def _script_dependencies(text: str) -> list[str]:
+    """The ``dependencies`` of a ``# /// script`` block (PEP 723), else none."""
+    match = _SCRIPT_BLOCK.search(text)
+    if match is None:
+        return []
+    body = "\n".join(line[2:] if line.startswith("# ") else line[1:] for line in match.group(1).splitlines())
+    try:
+        dependencies = tomllib.loads(body).get("dependencies", [])
+    except tomllib.TOMLDecodeError:
+        return []
+    return [str(dependency) for dependency in dependencies if isinstance(dependency, str)]
 
 
 def fill_wheel_cache(toolchain: Toolchain, requirements: Iterable[str], timeout_s: float = 600.0) -> list[str]:
@@ -296,16 +330,19 @@ def fill_wheel_cache(toolchain: Toolchain, requirements: Iterable[str], timeout_
 
 
 def _cached(requirement: str, toolchain: Toolchain) -> bool:
-    """Whether a wheel of ``name==version`` is in the cache already (names compared as pip normalises them)."""
+    """Whether a wheel of ``name==version`` (any version of an unpinned ``name``) is in the cache already (names
+    compared as pip normalises them; any other specifier is fetched again)."""
     name, _, version = requirement.partition("==")
+    if re.search(r"[<>=!~;]", name):
+        return False
     name = re.sub(r"[-_.]+", "_", name.split("[")[0]).lower()
     return any(
-        re.sub(r"[-_.]+", "_", wheel.split("-")[0]).lower() == name and wheel.split("-")[1] == version
+        re.sub(r"[-_.]+", "_", wheel.split("-")[0]).lower() == name and (not version or wheel.split("-")[1] == version)
         for wheel in toolchain.wheel_names()
     )
 
 
-def _uv_binary() -> Path:
+def uv_binary() -> Path:
     try:
         import uv  # the `uv` package on PyPI ships the static binary
 

@@ -9,7 +9,7 @@ directory and with its ``[environment] env``; :meth:`verify` then runs the task'
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -24,20 +24,28 @@ from tslightning.sandbox import (
     Sandbox,
     make_sandbox,
 )
+from tslightning.sandbox.errors import SandboxUnavailableError
 from tslightning.sandbox.file_tree import place_tree
 from tslightning.tasks.container_image import prepare_container
+from tslightning.tasks.helper_services import HelperServices
 from tslightning.tasks.image_attempt import enter_image, image_for
 from tslightning.tasks.image_lite import ImageLite
 from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
 from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import AGENT_COMMAND_TIMEOUT_S, TerminalTask
-from tslightning.tasks.verifier import VerifierResult, run_reference_solution, run_verifier
+from tslightning.tasks.verifier import REFERENCE_TIMEOUT_S, VerifierResult, run_reference_solution, run_verifier
 
 SandboxFactory = Callable[[AttemptDirectory], Sandbox]
 """Makes the sandbox of one attempt (see :func:`sandbox_factory`)."""
 
 APP = "/app"
+
+
+def service_lifetime_s(task: TerminalTask) -> float:
+    """How long a helper service may need to run: the attempt's agent time and its verifier's (its CPU seconds)."""
+    agent = task.agent.timeout_sec if task.agent.timeout_sec is not None else REFERENCE_TIMEOUT_S
+    return agent + task.verifier.timeout_sec
 
 
 def sandbox_factory(backend: Backend = "bubblewrap") -> SandboxFactory:
@@ -62,10 +70,13 @@ class TerminalTaskAttempt:
             environment needs a build; :mod:`~tslightning.tasks.image_attempt`), or ``None`` for the host's system.
         allow_internet: The trainer lets tasks reach the internet: a task whose ``[environment]`` allows it
             (``allow_internet``, ``network_mode = "public"``) gets the host's network for its agent's commands and
-            its verifier (bubblewrap). Default: every command offline, whatever the task says.
+            its verifier (bubblewrap). Default: every command offline, whatever the task says. A task with helper
+            services stays in its own network, offline (:mod:`~tslightning.tasks.helper_services`).
+        service_images: Each helper service's image by name (default: built, or found in the cache, now).
 
     Raises:
-        ImageBuildError: the task's image could not be built.
+        ImageBuildError: the task's image (or a helper's) could not be built.
+        SandboxError: the environment or a helper service did not start (an unhealthy helper: its probe's output).
     """
 
     def __init__(
@@ -78,41 +89,56 @@ class TerminalTaskAttempt:
         toolchain: Toolchain | Literal["auto"] | None = "auto",
         image: ImageLite | Literal["auto"] | None = "auto",
         allow_internet: bool = False,
+        service_images: Mapping[str, ImageLite] | None = None,
     ) -> None:
         self.task = task
         self.scheme = scheme
         self.reward_key = reward_key
         self.image: ImageLite | None = None
+        self.services: HelperServices | None = None
+        """The compose file's helper services, running beside this attempt's environment (none without helpers)."""
+        self.command_timeout_s = command_timeout_s
+        self.command_limits = task.agent_limits(command_timeout_s)
         self.attempt = task.open_attempt(seed_app=False)
         try:
             self.sandbox = (make_attempt_sandbox or sandbox_factory())(self.attempt)
+            self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
             if isinstance(self.sandbox, ContainerSandbox):  # the task's own image, its /app as built
                 prepare_container(task, self.sandbox, allow_internet)
             else:
-                self.image = image_for(task, image)
-                if self.image is None:
-                    task.seed_app(self.attempt)
-                else:
-                    enter_image(self.image, task, self.attempt, self.sandbox)
-            if allow_internet and task.environment.network == "public" and isinstance(self.sandbox, BubblewrapSandbox):
+                self._enter(image, service_images)
+            public = allow_internet and task.environment.network == "public" and self.services is None
+            if public and isinstance(self.sandbox, BubblewrapSandbox):
                 self.sandbox.agent_network = self.sandbox.verifier_network = True
-            self.toolchain = find_toolchain() if toolchain == "auto" else toolchain
             if self.toolchain is not None and self.sandbox.can_share:
                 attach(self.sandbox, self.toolchain)
-        except BaseException:
-            if hasattr(self, "sandbox"):
-                self.sandbox.close()
-            self.attempt.close()
-            raise
-        self.command_timeout_s = command_timeout_s
-        self.command_limits = task.agent_limits(command_timeout_s)
-        if isinstance(self.sandbox, LiveBubblewrapSandbox):
-            try:  # ready before the agent's first command (an image's service starts now), timed as set-up
+            if isinstance(self.sandbox, LiveBubblewrapSandbox):  # ready before the agent's first command, timed
+                if self.services is not None:  # as set-up (an image's service, the helpers, start now)
+                    self.services.start()
                 self.sandbox.start(self.command_limits)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         self.verification: VerifierResult | None = None
+
+    def _enter(self, image: ImageLite | Literal["auto"] | None, service_images) -> None:
+        """Seed ``/app`` from the task's files, or enter its image (with its helper services beside it)."""
+        self.image = image_for(self.task, image)
+        if self.image is None:
+            self.task.seed_app(self.attempt)
+            return
+        hosts, volumes = (), None
+        if self.task.needs.helpers:
+            if not isinstance(self.sandbox, LiveBubblewrapSandbox):
+                raise SandboxUnavailableError(
+                    f"task {self.task.name!r} has helper services, which run beside a live environment "
+                    "(sandbox.backend='bubblewrap') or with an engine's compose (docker, podman)"
+                )
+            limits = self.task.sandbox_limits(service_lifetime_s(self.task))
+            self.services = HelperServices(self.task, limits, service_images, self.toolchain)
+            self.sandbox.network = self.services.network
+            hosts, volumes = self.services.hosts, self.services.volumes_of(self.task.needs.compose.main)
+        enter_image(self.image, self.task, self.attempt, self.sandbox, hosts, volumes)
 
     @property
     def workdir(self) -> str:
@@ -155,11 +181,17 @@ class TerminalTaskAttempt:
         return self.verification.reward
 
     def close(self) -> None:
-        """End the attempt's environment (every process in it) and remove its directory."""
+        """End the attempt's environment and its helper services (every process in them) and remove their
+        directories; idempotent."""
         try:
-            self.sandbox.close()
+            if hasattr(self, "sandbox"):
+                self.sandbox.close()
         finally:
-            self.attempt.close()
+            try:
+                if self.services is not None:
+                    self.services.close()
+            finally:
+                self.attempt.close()
 
     def __enter__(self) -> TerminalTaskAttempt:
         return self

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from tslightning.sandbox import AttemptDirectory, SandboxLimits
 from tslightning.tasks.dockerfile import DockerfileError
-from tslightning.tasks.environment_needs import EnvironmentNeeds, environment_needs
+from tslightning.tasks.environment_needs import COMPOSE_FILES, ComposeError, EnvironmentNeeds, environment_needs
 from tslightning.tasks.task_config import (
     TASK_TOML,
     AgentSettings,
@@ -63,8 +63,6 @@ TESTS_DIR = "tests"
 TEST_SCRIPT = "tests/test.sh"
 SOLUTION_SCRIPT = "solution/solve.sh"
 STEPS_DIR = "steps"
-COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
-
 CONTAINER_BUILD_FILES = frozenset({"Dockerfile", ".dockerignore", *COMPOSE_FILES})
 """Files in ``environment/`` that describe a container image rather than the agent's starting files."""
 
@@ -340,9 +338,12 @@ def _read_needs(root: Path, config, problems: list[str]) -> EnvironmentNeeds | N
         return None
     try:
         needs = environment_needs(
-            root / ENVIRONMENT_DIR, config.environment.docker_image, config.verifier.environment_mode
+            root / ENVIRONMENT_DIR,
+            config.environment.docker_image,
+            config.verifier.environment_mode,
+            compose_variables(root, config.environment),
         )
-    except DockerfileError as error:
+    except (DockerfileError, ComposeError) as error:
         problems.append(f"{ENVIRONMENT_DIR}/{error}")
         return None
     workdir = config.environment.workdir
@@ -350,6 +351,18 @@ def _read_needs(root: Path, config, problems: list[str]) -> EnvironmentNeeds | N
         reason = f"task.toml: [environment] workdir {workdir} (the host shows only /app)"
         return replace(needs, status="build", reasons=(reason,))
     return needs
+
+
+def compose_variables(root: Path, environment: EnvironmentSettings) -> dict[str, str]:
+    """What a task's compose file may interpolate, as Harbor gives ``docker compose`` (its own variables, then
+    ``[environment] env``); not the trainer's whole environment."""
+    harbor = {
+        "CONTEXT_DIR": str((root / ENVIRONMENT_DIR).resolve()),
+        "MAIN_IMAGE_NAME": f"hb__{root.name.lower()}",
+        "CPUS": str(environment.cpus),
+        "MEMORY": f"{environment.memory_mb}M",
+    }
+    return {**harbor, **environment.env}
 
 
 def _read_toml(root: Path, problems: list[str]) -> dict[str, Any] | None:

@@ -7,11 +7,13 @@ from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them wit
 
 Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
 or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
-``needs helper container``; see :mod:`~tslightning.tasks.environment_needs`), with the reason, and no attempt is run:
+``needs helper container``, ``needs model API``; see :mod:`~tslightning.tasks.environment_needs`), with the reason,
+and no attempt is run:
 a reference solution is never reported as failing when the environment is the cause. A reference that fails after a
 write the read-only root refused (``mkdir /data``: a container's root is writable throughout) is ``needs image``.
 Build time (``-`` when the host stands in) and each attempt's set-up time (opening the environment until the agent
-could act) are reported.
+could act) are reported, and for a task with helper services each service's start-up seconds (until healthy). An
+environment that does not start (an unhealthy helper) makes the task invalid with the reason, not a score.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pathlib import Path
 
 from tslightning.sandbox import CommandResult
 from tslightning.sandbox.compose import compose_available
+from tslightning.sandbox.errors import SandboxError
+from tslightning.tasks.helper_services import helper_images
 from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
 from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
 from tslightning.tasks.rewards import (
@@ -65,8 +69,11 @@ class TaskValidation:
         reference: The verifier's verdict after ``solution/solve.sh`` (``None`` if it never ran).
         problems: Why the task is invalid or cannot run here; empty when it is valid.
         needs: What the environment needs when it cannot be provided here (``needs image``, ...), else ``None``.
-        build_s: Seconds spent building the environment (``None``: nothing was built).
+        build_s: Seconds spent building the environment, helper services' images included (``None``: nothing was
+            built).
         setup_s: Mean seconds from opening an attempt until its agent could act (``None``: no attempt ran).
+        services: Each helper service's mean start-up seconds (until healthy, or started without a healthcheck),
+            by name; ``None`` for a task without helpers (or whose attempts did not run).
     """
 
     task: str
@@ -77,6 +84,7 @@ class TaskValidation:
     needs: str | None = None
     build_s: float | None = None
     setup_s: float | None = None
+    services: dict[str, float] | None = None
 
     @property
     def ok(self) -> bool:
@@ -132,17 +140,23 @@ def validate_task(
     unmet = unmet_needs(task, containers)
     if unmet is not None:
         return TaskValidation(task.name, task.root, problems=unmet[1], needs=unmet[0])
-    image, build_s = None, None
+    image, services, build_s = None, None, None
     if task.needs.status == "build" and not containers:
         started = time.perf_counter()
         try:
             image = build_image(task.dockerfile, timeout_s=task.environment.build_timeout_sec)
+            services = helper_images(task)
         except ImageBuildError as error:
             return TaskValidation(task.name, task.root, problems=(f"environment/{error}",), needs=error.needs)
-        build_s = image.build_s if image.build_s else time.perf_counter() - started
-    (noop, noop_setup), (reference, reference_setup) = (
-        _attempt(task, factory, scheme, reward_key, solution, image, allow_internet) for solution in (False, True)
-    )
+        built = [image.build_s, *(helper.build_s for helper in services.values())]
+        build_s = sum(built) if any(built) else time.perf_counter() - started
+    try:
+        (noop, noop_setup, noop_services), (reference, reference_setup, reference_services) = (
+            _attempt(task, factory, scheme, reward_key, solution, image, allow_internet, services)
+            for solution in (False, True)
+        )
+    except SandboxError as error:  # the environment (a helper service) did not start: why, not a score
+        return TaskValidation(task.name, task.root, problems=(f"the environment did not start: {error}",))
     problems = _noop_problems(noop) + _reference_problems(reference, scheme)
     refused = [] if reference.passed else read_only_writes(reference.output, reference.reason)
     if refused:  # the environment, not the task, failed the reference: say so instead of "invalid"
@@ -156,7 +170,14 @@ def validate_task(
         needs="needs image" if refused else None,
         build_s=build_s,
         setup_s=(noop_setup + reference_setup) / 2,
+        services=_mean_seconds(noop_services, reference_services),
     )
+
+
+def _mean_seconds(first: dict[str, float] | None, second: dict[str, float] | None) -> dict[str, float] | None:
+    if not first or not second:
+        return first or second or None
+    return {name: (first[name] + second[name]) / 2 for name in first if name in second}
 
 
 _READ_ONLY = re.compile(
@@ -189,21 +210,16 @@ def unmet_needs(task: TerminalTask, containers: bool | str = False) -> tuple[str
     """``(status, reasons)`` when ``task``'s environment cannot be provided here, else ``None``.
 
     A task that needs a build reports ``needs image`` until a builder is available for it (its reasons name what in
-    the Dockerfile needs the build). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs
-    the network unless the offline toolchain is prepared (``tslightning tasks toolchain``). With ``containers`` (the
-    docker and podman backends, named, or True for docker) the engine builds or pulls every image, and helper
-    containers run with compose where the engine has it (else ``needs helper container``).
+    the Dockerfile needs the build); one with helper services, ``needs helper container`` (they run as image-lite
+    roots). A verifier that downloads its toolchain (the Terminal-Bench 2 template) needs the network unless the
+    offline toolchain is prepared (``tslightning tasks toolchain``). With ``containers`` (the docker and podman
+    backends, named, or True for docker) the engine builds or pulls every image, and helper containers run with
+    compose where the engine has it (else ``needs helper container``); a helper that calls an outside model API
+    needs it either way (attempts run offline).
     """
     needs = task.needs
     if containers:
-        if needs.status != "needs helper container":
-            return None
-        cli = shutil.which(containers if isinstance(containers, str) else "docker")
-        separate = any("environment_mode" in reason for reason in needs.reasons)
-        if task.compose_file is not None and not separate and cli is not None and compose_available(cli):
-            return None  # its helper services run with compose
-        why = "a verifier in a container of its own is not run" if separate else "`compose` is not available"
-        return needs.status, (*needs.reasons, f"{why} with the {containers} backend; leave the task out")
+        return _unmet_with_engine(task, containers)
     fetch = fetches_toolchain(task.tests_dir) if find_toolchain() is None else None
     if needs.status == "host" and fetch is not None:
         reason = (
@@ -217,9 +233,27 @@ def unmet_needs(task: TerminalTask, containers: bool | str = False) -> tuple[str
         problem = builder_problem()
         if problem is None:
             return None
+        if needs.helpers:
+            names = ", ".join(service.name for service in needs.helpers)
+            return "needs helper container", (f"its helper services ({names}) run as image-lite roots, and {problem}",)
         reasons = tuple(f"needs a build of its image ({r}), and {problem}" for r in needs.reasons)
         return "needs image", reasons
     return needs.status, needs.reasons
+
+
+def _unmet_with_engine(task: TerminalTask, containers: bool | str) -> tuple[str, tuple[str, ...]] | None:
+    needs = task.needs
+    separate = any("environment_mode" in reason for reason in needs.reasons)
+    if needs.compose is not None and needs.compose.model_apis:
+        return "needs model API", needs.compose.model_apis
+    if not separate and not needs.helpers:
+        return None
+    cli = shutil.which(containers if isinstance(containers, str) else "docker")
+    if not separate and cli is not None and compose_available(cli):
+        return None  # its helper services run with compose
+    why = "a verifier in a container of its own is not run" if separate else "`compose` is not available"
+    reasons = (*needs.reasons, f"{why} with the {containers} backend; leave the task out")
+    return "needs helper container", reasons
 
 
 def validate_tasks(
@@ -262,6 +296,12 @@ def format_table(results: Sequence[TaskValidation]) -> str:
         lines.append(f"{result.task:<{width}}  {cells}  {times}  {status}")
     failed = [result for result in results if not result.ok]
     counts = {status: sum(r.status == status for r in results) for status in dict.fromkeys(r.status for r in results)}
+    started = [result for result in results if result.services]
+    if started:
+        lines.append("\nhelper services (start-up s: until healthy, or started without a healthcheck):")
+        for result in started:
+            seconds = ", ".join(f"{name} {value:.2f}" for name, value in result.services.items())
+            lines.append(f"  {result.task}: {seconds}")
     lines.append(f"\n{len(results) - len(failed)}/{len(results)} tasks valid")
     if len(counts) > 1 or "valid" not in counts:
         lines.append("by status: " + ", ".join(f"{status} {count}" for status, count in counts.items()))
@@ -279,15 +319,23 @@ def _attempt(
     run_solution: bool,
     image: ImageLite | None,
     allow_internet: bool,
-) -> tuple[VerifierResult, float]:
-    """The verdict of one attempt, and its set-up seconds."""
+    service_images: dict[str, ImageLite] | None = None,
+) -> tuple[VerifierResult, float, dict[str, float] | None]:
+    """The verdict of one attempt, its set-up seconds, and its helper services' start-up seconds."""
     started = time.perf_counter()
     with TerminalTaskAttempt(
-        task, scheme, factory, reward_key=reward_key, image=image, allow_internet=allow_internet
+        task,
+        scheme,
+        factory,
+        reward_key=reward_key,
+        image=image,
+        allow_internet=allow_internet,
+        service_images=service_images,
     ) as attempt:
         setup_s = time.perf_counter() - started
+        services = dict(attempt.services.startup_s) if attempt.services is not None else None
         if task.multi_step:
-            return _steps_attempt(attempt, run_solution), setup_s
+            return _steps_attempt(attempt, run_solution), setup_s, services
         solution_note = ""
         if run_solution:
             solved = attempt.run_solution()
@@ -296,8 +344,8 @@ def _attempt(
         attempt.verify()
         result = attempt.verification
     if solution_note:  # keep the solution's own failure beside the verifier's verdict
-        return replace(result, reason=f"{result.reason}; {solution_note}"), setup_s
-    return result, setup_s
+        return replace(result, reason=f"{result.reason}; {solution_note}"), setup_s, services
+    return result, setup_s, services
 
 
 def _steps_attempt(attempt: TerminalTaskAttempt, run_solution: bool) -> VerifierResult:
