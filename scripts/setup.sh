@@ -29,6 +29,11 @@ fi
 present=$(.venv/bin/python -m pip list --format=freeze 2>/dev/null \
   | grep -Eo '^(torchvision|torchaudio|torchcodec)=' | tr -d '=' || true)
 if [ -n "$present" ]; then .venv/bin/python -m pip uninstall --quiet -y $present; fi
+# mini-swe-agent, the real agent harness the gateway's tests train, in its own environment: installing it into .venv
+# would downgrade python-dateutil and add litellm, pandas, pyarrow and datasets beside vLLM's pins (~45 s, ~750 MB).
+[ -x .venv-mini-swe-agent/bin/python ] || "$PYTHON" -m venv .venv-mini-swe-agent
+.venv-mini-swe-agent/bin/python -m pip install --quiet --upgrade pip
+.venv-mini-swe-agent/bin/python -m pip install --quiet mini-swe-agent==2.4.6 litellm==1.110.2
 .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready: torch', torch.__version__)"
 .venv/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)"
 # DeepSpeed on CPU JIT-compiles its shared-memory collective op at the first init_distributed (~1 min); build it now

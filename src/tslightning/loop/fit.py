@@ -36,6 +36,7 @@ from tslightning.learner.precision import serving_dtype
 from tslightning.learner.streaming_module import Schedule, StreamingPolicyModule
 from tslightning.loop.batch_recording import batch_file, recorded
 from tslightning.loop.batch_replay import RecordedBatches
+from tslightning.loop.harness import start_harness, warm_start_format
 from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.preflight import preflight
 from tslightning.loop.resume import checkpointer, resume_from
@@ -73,6 +74,7 @@ from tslightning.loop.updates import (
 from tslightning.measure.memory_plan import plan_report
 from tslightning.measure.timeline import plot_timeline
 from tslightning.rollout.engine import RolloutEngine
+from tslightning.rollout.gateway.harness_settings import HarnessSettings
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 
@@ -98,6 +100,7 @@ def fit(
     progress: bool = True,
     record_batches: bool = False,
     replay_batches: str | None = None,
+    harness: HarnessSettings = HarnessSettings(),  # noqa: B008
 ) -> FitResult:
     """Train a policy with exact gradient streaming on the agentic tasks.
 
@@ -145,6 +148,8 @@ def fit(
             nothing is published (:mod:`tslightning.loop.batch_replay`). Needs a file per rank and update, recorded
             on this world size with this objective at the versions the replay reaches (a ``sync`` or
             ``thundersync`` recording); schedules ``sync`` and ``thundersync``.
+        harness: The agent acting in each attempt: the built-in loop, or a harness (mini-swe-agent, your own program)
+            talking to this rank's OpenAI-compatible gateway, every call one turn sampled at θ_k with its exact ids.
     """
     arguments = dict(locals())  # the resolved config, before any local of fit's own joins it
     tasks = preflight(**arguments)  # every problem at once, before anything is written
@@ -184,8 +189,9 @@ def fit(
     ranks = launched_rank(fabric, learner)
     with contextlib.ExitStack() as started:
         started.enter_context(learner_cores(ranks.share(learner.cpus)))
+        layout = warm_start_format(harness) if warm_start.steps and not resume and fabric.global_rank == 0 else None
         policy, tokenizer, policy_dir = prepare_policy(
-            fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing
+            fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing, layout
         )
         if replay is None:
             engine, datamodule = _start_rollout(
@@ -266,10 +272,12 @@ def _start_rollout(
     warm_start: WarmStartSettings,
     learner: LearnerSettings,
     resume: str | None,
+    harness: HarnessSettings,
     **unused,
 ) -> tuple[RolloutEngine, RolloutDataModule]:
     """This rank's rollout engine (and OPD teacher) serving ``policy_dir``, and the rollout DataModule streaming its
-    share of each batch from them; both are closed when ``started`` unwinds."""
+    share of each batch from them (with ``harness``, from this rank's gateway in front of the engine); all are closed
+    when ``started`` unwinds."""
     with agreed_by_ranks("set-up: starting the rollout engine and the teacher"):
         context = agent_limits(rollout, policy.config).max_context_tokens
         engine = started.enter_context(
@@ -279,21 +287,18 @@ def _start_rollout(
         )
         teacher = None
         if objective == "opd":
+            layout = warm_start_format(harness) if warm_start.steps else None
             teacher = start_teacher(
-                fabric,
-                model,
-                rollout,
-                warm_start,
-                tasks,
-                seed,
-                out,
-                bool(resume),
-                placement,
+                fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement, layout,
                 chunk_tokens=learner.logprob_chunk_tokens,
             )
             started.callback(teacher.close)
+        agent = None
+        if harness.enabled:
+            agent = start_harness(harness, engine, tokenizer, rollout, policy.config, seed, objective, out)
+            started.callback(agent.close)
     datamodule = rollout_datamodule(
-        rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates
+        rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates, agent
     )
     started.callback(datamodule.teardown, "fit")  # prefetched environments no update took are closed
     datamodule.share_with(fabric.global_rank, fabric.world_size, spread_groups=learner.shard_statistics)
@@ -388,6 +393,7 @@ __all__ = [
     "AlgorithmSettings",
     "CheckpointSettings",
     "FitResult",
+    "HarnessSettings",
     "LoraSettings",
     "ModelSettings",
     "RolloutSettings",

@@ -33,6 +33,8 @@ from tslightning.loop.settings import (
 )
 from tslightning.loop.task_selection import select_tasks
 from tslightning.rollout.core_placement import check_cores
+from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config
 from tslightning.rollout.vllm_server_check import reachability_problems, url_problems
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
@@ -80,6 +82,7 @@ def preflight(
     record_batches: bool = False,
     replay_batches: str | None = None,
     loggers: Sequence[Mapping[str, Any]] = (),
+    harness: HarnessSettings | None = None,
     **unchecked: Any,
 ) -> list:
     """Check ``fit``'s arguments (by its parameter names) before anything is written; returns the training tasks.
@@ -125,6 +128,8 @@ def preflight(
         overwrite=overwrite,
     )
     problems += replay
+    harness = harness or HarnessSettings()
+    problems += harness_problems(harness, objective, schedule, algorithm.context_backward, rollout, warm_start, learner)
     missing = _model_paths_missing(model, objective) + missing_checkpoint(resume) + replay_missing
     tasks = select_tasks(rollout)
     problems += warm_start_task_problems(rollout, warm_start)
@@ -140,6 +145,30 @@ def warm_start_task_problems(rollout: RolloutSettings, warm_start: WarmStartSett
         return []
     selection = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all"))
     return [p.replace("rollout.task_names", "warm_start.task_names") for p in selection.problems + selection.missing]
+
+
+def harness_problems(
+    harness: HarnessSettings,
+    objective: str,
+    schedule: str,
+    context_backward: str,
+    rollout: RolloutSettings,
+    warm_start: WarmStartSettings,
+    learner: LearnerSettings,
+) -> list[str]:
+    """``harness``'s settings for this run, and for mini-swe-agent that its interpreter runs it with its configs."""
+    problems = harness.problems(objective, schedule, context_backward, rollout.environment, warm_start.steps)
+    if harness.enabled and harness.port and learner.devices > 1:
+        problems.append(
+            f"harness.port {harness.port}: each of the node's {learner.devices} learner ranks runs its own gateway; "
+            "set harness.port 0 (the OS picks a free port per rank)"
+        )
+    if harness.name == "mini_swe_agent" and not problems:
+        try:
+            mini_swe_agent_config(harness.python, harness.configs)
+        except ValueError as error:
+            problems.append(str(error))
+    return problems
 
 
 def callback_problems(callbacks: Sequence[Any]) -> list[str]:

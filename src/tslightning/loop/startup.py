@@ -45,6 +45,7 @@ def prepare_policy(
     out: Path,
     resume: bool,
     activation_checkpointing: bool = False,
+    demonstration_format=None,
 ):
     """θ_0, built once: global rank 0 builds (or loads), warm-starts and saves it as ``out/policy-0``; every rank then
     loads that directory, so all ranks start from the same bytes and the engines serve them.
@@ -52,13 +53,16 @@ def prepare_policy(
     Without a warm start ``policy-0`` is a link to the source checkpoint (nothing is copied). On ``resume`` there is
     no warm start — the checkpoint holds the warm-started and trained weights, published to the replicas before update
     k + 1 samples anything — and the run's ``policy-0`` is kept as it is. Returns the policy in the learner dtype (LoRA
-    wrapped when asked), its tokenizer and ``policy-0``.
+    wrapped when asked), its tokenizer and ``policy-0``. ``demonstration_format`` (tokenizer → format) lays the warm
+    start's demonstrations out as a harness's attempts reach the learner
+    (:func:`tslightning.loop.harness.warm_start_format`); ``None``: the built-in agent loop's layout.
     """
     policy_dir = out / "policy-0"
     with agreed_by_ranks("set-up: building the initial policy on global rank 0"):
         if fabric.global_rank == 0 and not (resume and policy_dir.exists()):
             steps = 0 if resume else warm_start.steps  # resumed: the checkpoint holds the trained weights
-            _save_initial_policy(model, rollout, replace(warm_start, steps=steps), tasks, seed, out, policy_dir)
+            warm = replace(warm_start, steps=steps)
+            _save_initial_policy(model, rollout, warm, tasks, seed, out, policy_dir, demonstration_format)
     with agreed_by_ranks("set-up: loading the initial policy"):
         policy, tokenizer = load_tiny_model(policy_dir, weight_dtype(model.precision, frozen=model.lora is not None))
         if model.precision == "64-true":
@@ -77,7 +81,9 @@ def checkpoint_activations(policy: torch.nn.Module) -> None:
     policy.train()
 
 
-def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path) -> None:
+def _save_initial_policy(
+    model, rollout, warm_start, tasks, seed: int, out: Path, policy_dir: Path, demonstration_format=None
+) -> None:
     source = Path(model.path) if model.path else save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed))
     if policy_dir.is_symlink() or policy_dir.is_file():
         policy_dir.unlink()
@@ -87,7 +93,7 @@ def _save_initial_policy(model, rollout, warm_start, tasks, seed: int, out: Path
         policy_dir.symlink_to(source.resolve(), target_is_directory=True)
         return
     policy, tokenizer = load_tiny_model(source)
-    loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy.config))
+    loop = _demonstration_layout(tokenizer, rollout, policy.config, demonstration_format)
     if warm_start.task_names is not None:  # checked by preflight (warm_start_tasks)
         tasks = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all")).tasks
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
@@ -170,6 +176,13 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
     )
 
 
+def _demonstration_layout(tokenizer, rollout, policy_config, demonstration_format):
+    """The warm start's layout: a harness's format, else the built-in agent loop's serialization."""
+    if demonstration_format is not None:
+        return demonstration_format(tokenizer)
+    return AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, policy_config))
+
+
 def start_teacher(
     fabric,
     model: ModelSettings,
@@ -180,6 +193,7 @@ def start_teacher(
     out: Path,
     resume: bool,
     placement,
+    demonstration_format=None,
     chunk_tokens: int = DEFAULT_CHUNK_ROWS,
 ) -> TeacherScorer | TeacherServer:
     """The frozen OPD teacher: ``model.teacher_path``, or — for the embedded default — the tiny model warm-started
@@ -197,7 +211,7 @@ def start_teacher(
         if fabric.global_rank == 0 and not model.teacher_path and not (resume and teacher_dir.exists()):
             teacher, tokenizer = load_tiny_model(save_tiny_model(out / "tiny-model", replace(model.tiny, seed=seed)))
             if warm_start.steps:
-                loop = AgentLoop(engine=None, tokenizer=tokenizer, limits=agent_limits(rollout, teacher.config))
+                loop = _demonstration_layout(tokenizer, rollout, teacher.config, demonstration_format)
                 demos = demonstrations(rollout, tasks, near_misses=False)
                 supervised_warm_start(teacher, loop, demos, steps=2 * warm_start.steps, lr=warm_start.lr, seed=seed + 1)
             teacher.save_pretrained(teacher_dir)
@@ -258,10 +272,12 @@ def rollout_datamodule(
     placement: RankPlacement | None = None,
     policy_config=None,
     updates: int | None = None,
+    agent=None,
 ) -> RolloutDataModule:
     """The DataModule ``fit`` streams from: ``rollout``'s tasks, agent limits and concurrency on ``engine``, with the
     agent loop on ``rollout.cpus`` (beside its replicas, not on the learner's cores), and terminal tasks'
-    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``."""
+    environments prefetched (``rollout.prefetch_environments``) up to update ``updates``; ``agent`` acts in each
+    attempt (a harness, :func:`tslightning.loop.harness.start_harness`; ``None``: the built-in agent loop)."""
     return RolloutDataModule(
         engine,
         tokenizer,
@@ -277,6 +293,7 @@ def rollout_datamodule(
         max_concurrent_attempts=rollout.max_concurrent_attempts,
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
         prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
+        agent=agent,
     )
 
 

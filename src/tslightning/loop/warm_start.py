@@ -4,17 +4,25 @@ RL from a randomly initialized tiny model would never produce a parsable ``<bash
 rewards would all be zero. The quickstart therefore first fits the policy to a few demonstrations — each task's
 reference solution written as agent turns — with cross-entropy on the action tokens only. Transcripts are
 serialized by :class:`~tslightning.rollout.agent_loop.AgentLoop`'s own prompt and observation format, so the
-warm-started policy sees at RL time exactly the token layout it was fitted on.
+warm-started policy sees at RL time exactly the token layout it was fitted on. A harness trained through the
+gateway brings its own layout instead (e.g. :class:`~tslightning.rollout.gateway.mini_swe_agent.MiniSweAgentFormat`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from tslightning.rollout.agent_loop import AgentLoop
 from tslightning.tasks.demonstrations import Demonstration
+
+
+class DemonstrationFormat(Protocol):
+    """A harness's token layout of a demonstration (the layout its attempts reach the learner in)."""
+
+    def demonstration_tokens(self, demo: Demonstration) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def demonstration_tokens(loop: AgentLoop, demo: Demonstration) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +42,7 @@ def demonstration_tokens(loop: AgentLoop, demo: Demonstration) -> tuple[torch.Te
 
 def supervised_warm_start(
     model: torch.nn.Module,
-    loop: AgentLoop,
+    loop: AgentLoop | DemonstrationFormat,
     demonstrations: Sequence[Demonstration],
     steps: int = 200,
     lr: float = 3e-3,
@@ -47,12 +55,15 @@ def supervised_warm_start(
     of the demonstrations rather than leaning toward the last few it saw (with a reference and a near miss of each
     task, an even choice between them instead of one that depends on the seed's order).
 
+    ``loop`` lays the demonstrations out: the built-in agent loop's serialization, or a harness's format.
+
     Returns the loss of each step (mean negative log-likelihood per action token, nats). Leaves no gradient behind:
     every parameter's ``.grad`` is ``None`` afterwards.
     """
     if not demonstrations:
         raise ValueError("supervised_warm_start needs at least one demonstration")
-    examples = [demonstration_tokens(loop, d) for d in demonstrations]
+    tokens = (lambda d: demonstration_tokens(loop, d)) if isinstance(loop, AgentLoop) else loop.demonstration_tokens
+    examples = [tokens(d) for d in demonstrations]
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     decay = (lambda step: 1.0 - step / steps) if lr_schedule == "linear" else (lambda step: 1.0)

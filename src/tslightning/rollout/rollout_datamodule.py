@@ -45,6 +45,17 @@ AttemptFactory = Callable[[RolloutTask], AbstractContextManager[TaskAttempt]]
 """Opens a fresh environment for one attempt of a task (sandbox + verifier) and cleans it up afterwards."""
 
 
+class Agent(Protocol):
+    """What acts in an attempt: :class:`~tslightning.rollout.agent_loop.AgentLoop`, or a harness through the gateway
+    (:class:`~tslightning.rollout.gateway.harness_agent.HarnessAgent`)."""
+
+    limits: AgentLimits
+
+    async def run(
+        self, task_id: str, instruction: str, attempt: TaskAttempt, group_id: str, index: int, update: int, on_turn=None
+    ) -> AgentTrajectory: ...
+
+
 @dataclass(frozen=True)
 class ReadyRecord:
     """When one stream item became ready, relative to the update's first rollout request (seconds)."""
@@ -110,6 +121,8 @@ class RolloutDataModule(L.LightningDataModule):
             k's turns, tools, verifiers, the learner's tail, barrier and publication run; 0: every attempt opens its
             own when it starts. Schedules that roll
             out one update at a time (``sync``, ``thundersync``, ``async``), not ``stream_continuous``.
+        agent: What acts in each attempt; ``None``: the built-in :class:`~tslightning.rollout.agent_loop.AgentLoop`
+            on ``engine`` with ``limits`` (a harness agent brings its own gateway in front of ``engine``).
     """
 
     def __init__(
@@ -130,6 +143,7 @@ class RolloutDataModule(L.LightningDataModule):
         world_size: int = 1,
         cpus: Sequence[int] | None = None,
         prefetch_environments: int = 0,
+        agent: Agent | None = None,
     ) -> None:
         super().__init__()
         self.objective = Objective(objective)
@@ -155,7 +169,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.attempt_factory = attempt_factory
         self.prompts_per_update = prompts_per_update
         self.samples_per_prompt = samples_per_prompt
-        self.agent = AgentLoop(engine, tokenizer, limits, run_seed)
+        self.agent = agent or AgentLoop(engine, tokenizer, limits, run_seed)
         self.teacher = teacher
         self.run_seed = run_seed
         self.updates = updates

@@ -1,0 +1,46 @@
+"""``fit``'s harness start-up: the warm start's layout for a harness, and this rank's gateway with the agent that runs
+the harness once per attempt against it (README: Train your own agent harness)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tslightning.loop.settings import RolloutSettings
+from tslightning.loop.startup import agent_limits
+from tslightning.rollout.gateway import HarnessAgent, HarnessProgram, OpenAIGateway
+from tslightning.rollout.gateway.conversation import ChatTokens
+from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.gateway.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
+
+
+def warm_start_format(harness: HarnessSettings):
+    """The warm start's layout for ``harness`` (tokenizer → format), or ``None`` for the built-in loop's: mini-swe-agent
+    demonstrates in its own configuration's messages (read through its interpreter)."""
+    if harness.name != "mini_swe_agent":
+        return None
+    config = mini_swe_agent_config(harness.python, harness.configs)
+    return lambda tokenizer: MiniSweAgentFormat(ChatTokens(tokenizer), config)
+
+
+def start_harness(
+    harness: HarnessSettings, engine, tokenizer, rollout: RolloutSettings, policy_config, seed: int, objective: str, out
+) -> HarnessAgent:
+    """This rank's gateway in front of ``engine`` (started, on ``harness.host``, at a port the OS picks unless
+    ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. GRPO refuses
+    a rewritten history, OPD cuts it into segments (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
+    gateway = OpenAIGateway(
+        engine,
+        tokenizer,
+        agent_limits(rollout, policy_config),
+        seed,
+        model_name=harness.model_name,
+        host=harness.host,
+        port=harness.port,
+        allow_segments=objective == "opd",
+        max_concurrent_commands=rollout.max_concurrent_attempts,
+    ).start()
+    if harness.name == "mini_swe_agent":
+        program = mini_swe_agent_program(harness.python, harness.configs, harness.timeout_s)
+    else:
+        program = HarnessProgram(list(harness.command), timeout_s=harness.timeout_s)
+    return HarnessAgent(gateway, program, Path(harness.log_dir) if harness.log_dir else Path(out) / "attempts")
