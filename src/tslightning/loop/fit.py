@@ -289,7 +289,16 @@ def _start_rollout(
         if objective == "opd":
             layout = warm_start_format(harness) if warm_start.steps else None
             teacher = start_teacher(
-                fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), placement, layout,
+                fabric,
+                model,
+                rollout,
+                warm_start,
+                tasks,
+                seed,
+                out,
+                bool(resume),
+                placement,
+                layout,
                 chunk_tokens=learner.logprob_chunk_tokens,
             )
             started.callback(teacher.close)
