@@ -90,3 +90,27 @@ def relative_gap(fitted: dict[str, torch.Tensor], replayed: dict[str, torch.Tens
     moved = float((run - start).norm())
     assert moved > 0, "the run did not move the parameters"
     return float((replay - run).norm()) / moved
+
+
+FLOAT32_TOLERANCE = 1e-4
+"""A float32 run's parameter gap to the float64 sync replay, relative to the step, that always passes."""
+FLOAT32_FLOOR_FACTOR = 5
+"""Above that, the gap may be this many times float32 arithmetic's own floor on the same batches."""
+
+
+def assert_float32_run_is_sync(
+    fitted: dict[str, torch.Tensor], out: Path, updates: int, config_path: Path = QUICKSTART
+) -> float:
+    """Assert the float32 run's θ ``fitted`` is the batch-synchronous update of its recorded batches; returns the gap.
+
+    The reference is the float64 sync replay (exact). A float32 computation cannot land closer than float32's floor
+    on these batches, measured as the float32 sync replay's own gap to the float64 one: AdamW's first steps divide by
+    ``|g| + ε``, so entries whose contributions cancel (group-normalised advantages sum to zero) turn rounding into
+    relative gaps near 1e-4 of the step. The run passes within ``FLOAT32_TOLERANCE`` or ``FLOAT32_FLOOR_FACTOR`` × that
+    floor; a wrong update (a source lost, doubled or stale) is off by orders of magnitude more."""
+    exact, initial = sync_replay_of_every_rank(out, updates, torch.float64, config_path)
+    float32, _ = sync_replay_of_every_rank(out, updates, torch.float32, config_path)
+    gap, floor = relative_gap(fitted, exact, initial), relative_gap(float32, exact, initial)
+    bound = max(FLOAT32_TOLERANCE, FLOAT32_FLOOR_FACTOR * floor)
+    assert gap <= bound, f"‖θ_run − θ_sync‖ / step = {gap:.3e} > {bound:.3e} (float32 sync replay: {floor:.3e})"
+    return gap

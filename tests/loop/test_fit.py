@@ -39,7 +39,7 @@ def test_quickstart_fit_runs_end_to_end(tmp_path, capsys, monkeypatch):
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     assert history(run_file, "train/mean_reward") == list(enumerate(rewards["mean_rewards"]))
     printed = capsys.readouterr().out
-    first = f"{rewards['mean_rewards'][0]:.3f} (first 2) → {rewards['mean_rewards'][1]:.3f} (last 2)"
+    first = f"{rewards['mean_rewards'][0]:.3f} (first 1) → {rewards['mean_rewards'][1]:.3f} (last 1)"
     assert "tslightning fit: grpo (thundersync), updates 0-1" in printed and first in printed
     assert "step time" in printed and f"{out}/checkpoints/ (latest update-1)" in printed
     assert f"W&B (offline)   {out / 'wandb'}" in printed and str(metrics[0]) in printed

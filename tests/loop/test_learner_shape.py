@@ -18,6 +18,7 @@ def test_whole_groups_count_per_rank_and_spread_groups_over_all_ranks():
     assert whole.open_groups == 2 and not whole.spread_groups  # 8 prompts over 4 ranks
     assert _shape(LearnerSettings(devices=4, strategy="fsdp"), 1).open_groups == 1
     spread = _shape(LearnerSettings(devices=4, strategy="fsdp", shard_statistics=True), None)
-    assert spread.open_groups == 8 and spread.spread_groups and spread.shard_statistics  # every group on every rank
+    assert spread.open_groups == 8 and spread.spread_groups  # every group on every rank
+    assert spread.placement.shards_statistics
     capped = _shape(LearnerSettings(devices=4, strategy="fsdp", shard_statistics=True), 1)
     assert capped.open_groups == 1  # the cap counts groups open anywhere

@@ -19,14 +19,12 @@ from tslightning.rollout.vllm_server_check import PROBE_TEXT
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' fit runner and replay, shared
-from recorded_replay import dump_parameters, relative_gap, run_fit, sync_replay_of_every_rank  # noqa: E402
+from recorded_replay import assert_float32_run_is_sync, dump_parameters, run_fit  # noqa: E402
 
 OPD_CONFIG = ROOT / "configs" / "quickstart_opd.yaml"
 UPDATES = 2
 LOGPROB_TOLERANCE = 1e-4
 """float32: vLLM's CPU kernels against transformers' on the same weights."""
-PARAMETER_TOLERANCE = 1e-4
-"""float32: the parameter gap relative to the step, as in test_vllm_server_end_to_end.py."""
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +102,7 @@ def test_opd_fit_scored_by_the_server_equals_the_sync_replay(vllm_teacher_server
     assert not (out / "teacher-0").exists()  # no in-process teacher was built
 
     fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
-    replayed, initial = sync_replay_of_every_rank(out, UPDATES, config_path=OPD_CONFIG)
-    assert relative_gap(fitted, replayed, initial) <= PARAMETER_TOLERANCE
+    assert_float32_run_is_sync(fitted, out, UPDATES, config_path=OPD_CONFIG)
 
 
 class _Session:

@@ -16,11 +16,9 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' replay, shared
-from recorded_replay import dump_parameters, relative_gap, run_fit, sync_replay_of_every_rank, trace  # noqa: E402
+from recorded_replay import assert_float32_run_is_sync, dump_parameters, run_fit, trace  # noqa: E402
 
 UPDATES = 3
-PARAMETER_TOLERANCE = 1e-4
-"""float32: the parameter gap relative to the step, as in tests/distributed/test_multirank.py."""
 
 
 def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_server, tmp_path):
@@ -45,7 +43,7 @@ def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_ser
         assert len(ready) == 16 and len(set(ready)) == len(ready)  # 4 prompts x 4 samples, each ready on its own
 
     fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
-    assert relative_gap(fitted, *sync_replay_of_every_rank(out, UPDATES)) <= PARAMETER_TOLERANCE
+    assert_float32_run_is_sync(fitted, out, UPDATES)
 
 
 SHARED_UPDATES = 2
@@ -79,7 +77,7 @@ def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_upd
 
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     assert all(torch.equal(thetas[0][name], thetas[1][name]) for name in thetas[0])  # one model, not two
-    assert relative_gap(thetas[0], *sync_replay_of_every_rank(out, SHARED_UPDATES)) <= PARAMETER_TOLERANCE
+    assert_float32_run_is_sync(thetas[0], out, SHARED_UPDATES)
 
 
 def _server_log_count(log: Path, fragment: str) -> int:

@@ -19,7 +19,7 @@ from tslightning.callbacks.checkpoint_state import checkpoint_dirs
 from tslightning.loop.updates import FitResult
 
 WINDOW = 5
-"""Updates averaged at each end of the reward curve ("first 5 → last 5")."""
+"""Updates averaged at each end of the reward curve ("first 5 → last 5"; fewer when the run has under 10)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class RunSummary:
         rewards = [r for r in self.result.mean_rewards if not math.isnan(r)]
         lines = []
         if rewards:
-            window = min(WINDOW, len(rewards))
+            window = max(1, min(WINDOW, len(rewards) // 2))  # the two ends never overlap
             first, last = _mean(rewards[:window]), _mean(rewards[-window:])
             lines.append(
                 f"  mean reward     {first:.3f} (first {window}) → {last:.3f} (last {window}), {last - first:+.3f}; "
