@@ -204,7 +204,7 @@ class _SharedEngine:
         assert self.rank == 0, "a follower's engine published"
         if policy_version == 3:
             raise RolloutEngineError("the server did not acknowledge θ_3")
-        self.published.append((policy_version, sorted(state_dict.keys())))
+        self.published.append((policy_version, sorted(state_dict.names())))
         self.policy_version = policy_version
         return PublishReceipt(policy_version, replicas=2, seconds=0.0)
 

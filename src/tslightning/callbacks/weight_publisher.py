@@ -247,8 +247,12 @@ def publication_weights(policy: torch.nn.Module, engine: Any, leads: bool = Fals
     """
     if bool(getattr(engine, "publishes_adapter", False)):
         return WeightStream.of(adapter_state_dict(policy))
-    device = next(policy.parameters()).device
-    return PublishedWeights(policy, getattr(engine, "serving_dtype", None), step_completion(device), leads)
+    ready = step_completion(_device_of(policy))  # recorded now, right after the step was queued
+    return PublishedWeights(policy, getattr(engine, "serving_dtype", None), ready, leads)
+
+
+def _device_of(policy: torch.nn.Module) -> torch.device:
+    return next(policy.parameters()).device
 
 
 def _finish(weights: Mapping[str, torch.Tensor] | WeightStream) -> None:

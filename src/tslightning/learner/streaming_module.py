@@ -22,7 +22,6 @@ collective, so learner work is queued and served in lock-step ticks across ranks
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -65,6 +64,7 @@ from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spre
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import scored_logprobs
 
@@ -283,7 +283,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 within the process group's timeout; no rank steps.
         """
         registry = self._require_registry()
-        barrier_start = time.perf_counter()
+        barrier_start = synchronized_clock(self.layout.parameters[0].device)
         with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
             registry.require_complete()
             if self.folding is not None:
@@ -325,7 +325,11 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype), dtype=torch.float64))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
+        self.update_timings["barrier_s"] = (
+            synchronized_clock(self.layout.parameters[0].device)
+            - barrier_start
+            - self.update_timings.get("sync_s", 0.0)
+        )
         result = UpdateResult(
             policy_version=self.policy_version + 1,
             direction_norm=norm,
@@ -435,7 +439,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
-        start, failed = time.perf_counter(), True
+        start, failed = synchronized_clock(self.layout.parameters[0].device), True
         try:
             with pass_context(self):
                 work()
@@ -444,7 +448,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         finally:  # a failed pass exchanges too, sending nothing: its peers hear the failure at their next tick
             if self.shards is not None:
                 self.shards.exchange(send=not failed)  # what this pass staged goes to every rank
-        end = time.perf_counter()
+        end = synchronized_clock(self.layout.parameters[0].device)
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
 

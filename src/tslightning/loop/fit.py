@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
@@ -67,6 +66,7 @@ from tslightning.loop.updates import (
     record_update,
     rollout_outcome,
 )
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.measure.timeline import plot_timeline
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
@@ -306,7 +306,7 @@ def _run_updates(
     replay = isinstance(datamodule, RecordedBatches)
     try:
         for update in bar:
-            start = time.perf_counter()
+            start = synchronized_clock(fabric.device)
             if continuous is not None:
                 items = recorded(
                     continuous_items(continuous), batches and batch_file(batches, fabric.global_rank, update)

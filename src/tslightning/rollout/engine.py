@@ -116,8 +116,8 @@ class WeightStream:
         """One pass, as a state dict's ``items()`` (for engines written against state dicts)."""
         return iter(self)
 
-    def keys(self) -> list[str]:
-        """The names, in order, without producing a tensor."""
+    def names(self) -> list[str]:
+        """The names, in order, without producing a tensor (``dict(stream)`` makes one pass into a state dict)."""
         return [meta.name for meta in self._metadata]
 
     @classmethod

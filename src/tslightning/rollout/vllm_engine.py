@@ -479,7 +479,8 @@ def _contain_vllm_side_effects() -> Iterator[None]:
     """Undo what vLLM's in-process CPU worker does to the host process: reseeded RNGs, a disabled set_num_threads."""
     set_num_threads, python_state = torch.set_num_threads, random.getstate()
     numpy_state = _numpy_random_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # This process's device only: forking every visible GPU's generator would open a CUDA context on each.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
