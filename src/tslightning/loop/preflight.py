@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.learner.settings import OptimizerSettings
 from tslightning.loop.batch_replay import replay_problems
+from tslightning.loop.gpu_sharing import gpu_sharing_problems
 from tslightning.loop.learner_shape import learner_shape, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
@@ -105,9 +106,9 @@ def preflight(
     problems += _machine_problems(accelerator, rollout, learner, model)
     problems += server_problems(rollout) if replay_batches is None else []  # a replay talks to no server
     problems += process_group_problems(learner)
-    problems += statistics_problems(
-        objective, model, rollout, learner, group_admission_cap, _device_memory(accelerator)
-    )
+    device_bytes = _device_memory(accelerator)
+    problems += statistics_problems(objective, model, rollout, learner, group_admission_cap, device_bytes)
+    problems += gpu_sharing_problems(objective, model, rollout, learner, group_admission_cap, device_bytes)
     problems += (
         resume_problems(resume, schedule) + unreadable_checkpoint(resume, learner) + callback_problems(callbacks)
     )

@@ -18,6 +18,7 @@ from tslightning.distributed.collectives import control_group
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
+from tslightning.loop.gpu_sharing import learner_gpu
 from tslightning.loop.rollout_servers import replica_server_args, start_vllm_server
 from tslightning.loop.settings import ModelSettings, RolloutSettings, settings_error
 from tslightning.loop.warm_start import supervised_warm_start
@@ -239,9 +240,12 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
     from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
     gpus = placement.share(settings.gpus)
+    shared = settings.gpus is None and torch.cuda.is_available()  # vLLM beside the learner, on its GPU
     in_process = settings.in_process
-    if in_process is None:  # a learner's process group, or a placement of vLLM's own, needs vLLM's own process
-        in_process = world_size == 1 and cpus is None and gpus is None
+    if in_process is None:  # a learner's process group, a placement, or a GPU shared with the learner: vLLM's own
+        in_process = world_size == 1 and cpus is None and gpus is None and not shared
+    if shared and not in_process:
+        gpus = [learner_gpu()]  # this rank's GPU, not vLLM's default (the node's first)
     serving = dtype if settings.dtype == "auto" else settings.dtype
     return VLLMRolloutEngine(
         policy_dir,
@@ -265,7 +269,8 @@ def start_teacher(
     rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
     (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
     ``out/policy-0``; with ``rollout.ray.teacher`` it is that checkpoint served by a vLLM server fit launches on Ray
-    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`)."""
+    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`). The in-process teacher sits on the learner's
+    device in the serving dtype."""
     if rollout.teacher_url is not None:
         return _teacher_server(rollout, out / "policy-0", rollout.teacher_url)
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
@@ -282,8 +287,10 @@ def start_teacher(
         with agreed_by_ranks("set-up: launching the OPD teacher's vLLM server on Ray"):
             return _launched_teacher(rollout, teacher_dir, out / "policy-0", serving_dtype(model.precision))
     with agreed_by_ranks("set-up: loading the OPD teacher"):
-        teacher, _ = load_tiny_model(teacher_dir)
-        return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus))
+        # On the learner's device in the serving dtype (bf16 under bf16-mixed): a GPU run scores on its GPU, not on
+        # the host in fp32. A teacher too large to sit beside the learner belongs on a server (rollout.teacher_url).
+        teacher, _ = load_tiny_model(teacher_dir, getattr(torch, serving_dtype(model.precision)))
+        return TeacherScorer(teacher.to(fabric.device), cpus=placement.share(model.teacher_cpus))
 
 
 def _teacher_server(rollout: RolloutSettings, policy_dir: Path, url: str, launcher=None) -> TeacherServer:
