@@ -29,6 +29,7 @@ from tslightning.callbacks import (
     WeightPublisher,
 )
 from tslightning.core.batch_registry import Objective
+from tslightning.distributed.failure_watch import stop_watch
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.learner.precision import serving_dtype
@@ -181,6 +182,7 @@ def fit(
     fabric.launch()  # everything below runs once per learner rank, in one process group
     placement = launched_rank(fabric, learner)
     with contextlib.ExitStack() as started:
+        started.callback(stop_watch)  # last to close: the ranks may leave in any order after it
         started.enter_context(learner_cores(placement.share(learner.cpus)))
         policy, tokenizer, policy_dir = prepare_policy(
             fabric, model, rollout, warm_start, tasks, seed, out, bool(resume), learner.activation_checkpointing

@@ -9,12 +9,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tslightning.distributed.collectives import control_group
+from tslightning.distributed.failure_watch import start_watch
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
@@ -430,8 +432,8 @@ def learner_cores(cpus: list[int] | None) -> Iterator[None]:
 
 def launched_rank(fabric, learner) -> RankPlacement:
     """Checks right after ``fabric.launch()``: one process group of Fabric's world size (an engine or library that
-    started its own group first would make every collective a no-op), the gloo group control messages use, and
-    this rank's cores.
+    started its own group first would make every collective a no-op), then the gloo group control messages use, the
+    failure watch (:mod:`tslightning.distributed.failure_watch`) and this rank's cores.
 
     Raises:
         ValueError: if the process group's world size is not Fabric's.
@@ -443,5 +445,6 @@ def launched_rank(fabric, learner) -> RankPlacement:
             f"{fabric.world_size}; something initialized a process group before fabric.launch() (start rollout "
             "engines after launch, or out of process)"
         )
-    control_group()  # made here, where every rank is, not at a first control message
+    control_group(timedelta(seconds=learner.control_timeout_s))  # made here, where every rank is
+    start_watch(learner.heartbeat_timeout_s)  # failures and deaths heard within seconds; stopped by fit
     return RankPlacement(fabric.local_rank, learner.devices)
