@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tslightning.distributed.collectives import control_group
 from tslightning.distributed.failure_watch import start_watch, stop_watch
-from tslightning.distributed.rank_failure import RankFailureError, agree_to_step, exchange_status, reported_to_ranks
+from tslightning.distributed.rank_failure import agree_to_step, exchange_status, reported_to_ranks
 
 HEARTBEAT_TIMEOUT_S = 3.0
 WITHIN_S = 15.0  # every scenario's bound, far below both timeouts
