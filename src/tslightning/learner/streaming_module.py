@@ -325,11 +325,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             applied = float(torch.linalg.vector_norm(self.layout.read_grads(direction.dtype), dtype=torch.float64))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.update_timings["barrier_s"] = (
-            synchronized_clock(self.layout.parameters[0].device)
-            - barrier_start
-            - self.update_timings.get("sync_s", 0.0)
-        )
+        now = synchronized_clock(self.layout.parameters[0].device)
+        self.update_timings["barrier_s"] = now - barrier_start - self.update_timings.get("sync_s", 0.0)
         result = UpdateResult(
             policy_version=self.policy_version + 1,
             direction_norm=norm,

@@ -7,12 +7,11 @@ the sampled ids with their log-probs under the sampling distribution (``logprobs
 temperature is included) and never re-tokenizes. One dispatcher thread owns the ``LLM``: it drains the pending
 requests and calls ``LLM.generate`` on them as one batch.
 
-Publication runs on the same thread, between batches: :meth:`VLLMRolloutEngine.publish` writes the learner's weights
-into a shared-memory buffer in the serving dtype, one tensor at a time as the learner's stream produces them (the
-buffer is the transport to vLLM's workers, on the host), the workers reload their weights in place from it
-(:class:`~tslightning.rollout.vllm_worker_extension.WeightPublicationExtension`), the prefix cache is reset and the
-new version stamped. Requests submitted before ``publish`` was called are answered by the old version, those
-submitted after it returned by the new one, as in :mod:`tslightning.rollout.hf_engine`.
+Publication runs on the same thread, between batches: :meth:`VLLMRolloutEngine.publish` writes the weights, one
+tensor at a time as its stream produces them, into a host shared-memory buffer in the serving dtype, the workers
+reload in place from it (:class:`~tslightning.rollout.vllm_worker_extension.WeightPublicationExtension`), the prefix
+cache is reset and the new version stamped. Requests submitted before ``publish`` was called are answered by the old
+version, those submitted after it returned by the new one, as in :mod:`tslightning.rollout.hf_engine`.
 
 vLLM is imported only when an engine is created, so the package imports without it. By default vLLM runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; starts in ~5 s on CPU instead of ~16 s), one such engine per process at
@@ -167,9 +166,8 @@ class VLLMRolloutEngine(QueuedEngine):
         return self._dtype
 
     def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
-        """Reload every worker's weights in place from ``weights`` (HF names; a state dict or a
-        :class:`~tslightning.rollout.engine.WeightStream`, written into the shared buffer one tensor at a time),
-        reset the prefix cache, stamp.
+        """Reload every worker's weights in place from ``weights`` (HF names; a state dict or a ``WeightStream``,
+        written into the buffer one tensor at a time), reset the prefix cache, stamp.
 
         Raises:
             ValueError: If ``policy_version`` does not increase.
