@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tslightning.distributed.collectives import control_group
-from tslightning.distributed.failure_watch import start_watch, stop_watch
+from tslightning.distributed.failure_watch import FailureWatch, start_watch, stop_watch
 from tslightning.distributed.rank_failure import agree_to_step, exchange_status, reported_to_ranks
 
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -144,3 +144,62 @@ def test_an_oom_is_heard_at_the_next_lockstep_tick_over_gloo(outcomes):
         error, seconds = results[rank]
         assert error.startswith("RankFailureError: update 0 failed on learner rank(s) [1] of 2"), error
         assert seconds < WITHIN_S
+
+
+def _watches(store, aborted: list, **timing):
+    """Rank 0's started watch (its abort recorded) and rank 1's, which the test drives by hand."""
+    timing = {"poll_s": 0.05, "heartbeat_timeout_s": 0.5, "grace_s": 0.2} | timing
+    watch = FailureWatch(store, 0, 2, abort=lambda: aborted.append(time.monotonic()) or True, **timing)
+    return watch.start(), FailureWatch(store, 1, 2, **timing)
+
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_posted_failure_is_heard_and_a_rank_that_does_not_agree_is_aborted():
+    aborted: list = []
+    watch, peer = _watches(dist.HashStore(), aborted)
+    try:
+        peer.post("update 3", torch.OutOfMemoryError("CUDA out of memory (injected)"))
+        assert _until(lambda: 1 in watch.failures())
+        assert watch.failures()[1] == "update 3: OutOfMemoryError: CUDA out of memory (injected)"
+        assert watch.dead() == {}  # a failed rank still joins the agreement
+        assert _until(lambda: watch.aborted) and len(aborted) == 1  # no agreement completed within grace_s
+    finally:
+        watch.close()
+
+
+def test_a_rank_that_agrees_in_time_keeps_its_data_group():
+    aborted: list = []
+    watch, peer = _watches(dist.HashStore(), aborted, grace_s=1.0)
+    try:
+        peer.post("update 0", RuntimeError("boom"))
+        assert _until(lambda: 1 in watch.failures())
+        watch.agreed()  # the agreement told this rank: it was not blocked
+        time.sleep(1.5)
+        assert aborted == [] and not watch.aborted
+    finally:
+        watch.close()
+
+
+def test_a_silent_peer_is_dead_but_one_that_left_is_not():
+    store, aborted = dist.HashStore(), []
+    watch, peer = _watches(store, aborted)
+    try:
+        peer.store.add("beat/1", 1)  # it beat once, then went silent
+        assert _until(lambda: 1 in watch.dead())
+        assert watch.dead()[1].startswith("died: no heartbeat for")
+    finally:
+        watch.close()
+    watch, peer = _watches(dist.HashStore(), [])
+    try:
+        peer.store.add("beat/1", 1)
+        peer.close()  # finished training: it says so before its heartbeat stops
+        time.sleep(1.0)
+        assert watch.failures() == {}
+    finally:
+        watch.close()

@@ -79,7 +79,11 @@ class FailureWatch:
         return self
 
     def close(self) -> None:
-        """Stop watching (training ended: the ranks leave in any order from here)."""
+        """Stop watching (training ended: the ranks leave in any order from here, and none is heard as dead)."""
+        try:
+            self.store.set(f"left/{self.rank}", "1")
+        except (RuntimeError, dist.DistError):
+            pass
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.poll_s)
@@ -137,6 +141,8 @@ class FailureWatch:
                 continue
             beat = self.store.add(f"beat/{rank}", 0)
             last, since = self._beats.get(rank, (-1, now))
+            if beat == last and now - since > self.heartbeat_timeout_s and self.store.check([f"left/{rank}"]):
+                continue  # it finished training and stopped its watch
             if beat != last:
                 self._beats[rank] = (beat, now)
             elif beat > 0 and now - since > self.heartbeat_timeout_s:
