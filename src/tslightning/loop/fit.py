@@ -125,8 +125,8 @@ def fit(
         context_backward: ``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary``
             runs a GRPO group's prompt and an OPD trajectory's earlier turns once and back-propagates the summed
             boundary adjoints when the group or trajectory closes (App. I): the same update, fewer learner FLOPs.
-        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
-            table has no entry; on GPUs ``None`` reads Lightning's table.
+        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); ``None`` reads the device's dense peak
+            (:mod:`tslightning.callbacks.peak_flops`); a device no table knows (a CPU) then logs no MFU.
         checkpoint: When and where checkpoints are written.
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
