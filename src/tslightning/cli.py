@@ -37,6 +37,7 @@ def verify(
     updates: int = 3,
     seed: int = 0,
     json: bool = False,
+    device: str = "cpu",
 ) -> None:
     """Prove the streamed update equals the batch-synchronous one on the tiny transformer (App. G protocol).
 
@@ -52,8 +53,9 @@ def verify(
         updates: Logical batches (optimizer updates) to replay.
         seed: Seed of the model, the batches and the arrival orders.
         json: Print the report as JSON instead of text.
+        device: Where the replays run (``cpu``, ``cuda``, ``cuda:1``): the device kernels' exactness, float64 included.
     """
-    report = run_verification(objective=objective, dtype=dtype, updates=updates, seed=seed)
+    report = run_verification(objective=objective, dtype=dtype, updates=updates, seed=seed, device=device)
     print(json_module.dumps(report.to_dict(), indent=2) if json else report.summary())
     if not report.passed:
         sys.exit(1)

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from harness import MemoryLogger, fit, grpo_batch, run_with_fabric_calls
+from harness import MemoryLogger, fit, grpo_batch, grpo_batches, run_with_fabric_calls
 
 from tslightning.callbacks import MFUMonitor
+from tslightning.callbacks.peak_flops import dense_peak_flops
 from tslightning.core.replay_batches import ReplayBatch
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.learner.streaming_module import StreamingPolicyModule
@@ -101,15 +102,83 @@ def test_under_fabric_call(make_policy, vocab_size):
     _check_real_update(monitor, module, batch)
 
 
-def test_cpu_without_available_flops_names_the_override(make_policy, vocab_size, tmp_path):
-    batch = grpo_batch(vocab_size)
-    fabric = L.Fabric(accelerator="cpu", devices=1)
-    with pytest.raises(ValueError, match=r"MFUMonitor\(available_flops=\.\.\.\)"):
-        MFUMonitor().on_train_batch_start(fabric, StreamingPolicyModule(make_policy()), batch.plan, 0)
-    module = StreamingPolicyModule(make_policy())
-    with pytest.raises(ValueError, match="available_flops"):
-        fit(module, [batch], [MFUMonitor()], tmp_path)
-    assert module.policy_version == 0  # refused before the first update's work
+def test_cpu_without_available_flops_logs_no_mfu_and_warns_once(make_policy, vocab_size, tmp_path):
+    """No table knows a CPU's peak: training goes on, step times are logged, MFU is left out, one warning says so."""
+    monitor, module, batches = MFUMonitor(), StreamingPolicyModule(make_policy()), grpo_batches(vocab_size, 2)
+    with pytest.warns(
+        UserWarning, match=r"no peak FLOP/s known for 'cpu'.*MFUMonitor\(available_flops=\.\.\.\)"
+    ) as seen:
+        fit(module, batches, [monitor], tmp_path)
+    assert len([w for w in seen if "peak FLOP/s" in str(w.message)]) == 1
+    assert module.policy_version == 2 and [m.mfu for m in monitor.history] == [None, None]
+    assert all(m.step_s > 0 and m.learner_flops > 0 for m in monitor.history)
+    assert "perf/mfu/actor" not in monitor.history[-1].metrics()
+
+
+class _OnCuda:
+    """A Fabric seen as if its root device were ``cuda:0`` (name and synchronisation faked by the test)."""
+
+    def __init__(self, fabric: L.Fabric) -> None:
+        self._fabric = fabric
+        self.strategy = SimpleNamespace(root_device=torch.device("cuda", 0), precision=fabric.strategy.precision)
+
+    def __getattr__(self, name: str):
+        return getattr(self._fabric, name)
+
+
+def _update_on(monkeypatch, device_name: str, make_policy, vocab_size, monitor: MFUMonitor):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    trainer = _OnCuda(L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed"))
+    module, batch = StreamingPolicyModule(make_policy()), grpo_batch(vocab_size)
+    monitor.on_train_batch_start(trainer, module, batch.plan, 0)
+    for item in batch.stream():
+        module.ingest(item)
+    module.barrier(module.configure_optimizers())
+    monitor.on_train_batch_end(trainer, module, None, BatchClosed(0), len(batch.items))
+    return monitor.history[-1]
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H200", 989.4e12),  # Lightning has no peak for this name (its H200 entries are sparse figures)
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10G", 125e12),  # not in our table: Lightning's
+    ],
+)
+def test_a_known_gpu_gets_its_dense_bf16_peak(monkeypatch, make_policy, vocab_size, name, peak):
+    measurement = _update_on(monkeypatch, name, make_policy, vocab_size, MFUMonitor())
+    assert measurement.mfu == pytest.approx(measurement.learner_flops / (measurement.step_s * peak))
+
+
+def test_an_unknown_gpu_logs_no_mfu_and_warns_once(monkeypatch, make_policy, vocab_size):
+    monitor = MFUMonitor()
+    with pytest.warns(UserWarning, match=r"no peak FLOP/s known for 'NVIDIA Z9000' in torch.bfloat16") as seen:
+        first = _update_on(monkeypatch, "NVIDIA Z9000", make_policy, vocab_size, monitor)
+        second = _update_on(monkeypatch, "NVIDIA Z9000", make_policy, vocab_size, monitor)
+    assert first.mfu is None and second.mfu is None and first.step_s > 0 and first.learner_flops > 0
+    assert len([w for w in seen if "peak FLOP/s" in str(w.message)]) == 1
+    overridden = _update_on(monkeypatch, "NVIDIA Z9000", make_policy, vocab_size, MFUMonitor(available_flops=PEAK))
+    assert overridden.mfu == pytest.approx(overridden.learner_flops / (overridden.step_s * PEAK))
+
+
+def test_the_peak_table():
+    assert dense_peak_flops("NVIDIA GH200 480GB", torch.bfloat16) == 989.4e12  # not the H200 row's match by chance
+    assert dense_peak_flops("NVIDIA H200 NVL", torch.bfloat16) == 835.5e12
+    assert dense_peak_flops("NVIDIA H100 PCIe", torch.float16) == 756e12
+    assert dense_peak_flops("AMD Instinct MI300X", torch.bfloat16) == 1307.4e12
+    assert dense_peak_flops("NVIDIA B200", torch.float32) is None  # no such figure: absent, not a guess
+    assert dense_peak_flops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None  # left to Lightning's table
+    assert dense_peak_flops("NVIDIA H100 80GB HBM3", torch.float32) == 66.9e12
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # float32 matrix work on the tensor cores: TF32
+        assert dense_peak_flops("NVIDIA H100 80GB HBM3", torch.float32) == 494.7e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def test_constructor_reports_every_problem():

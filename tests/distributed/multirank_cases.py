@@ -15,7 +15,9 @@ adapters on q/v, each an FSDP2 unit of its own) and an advantage estimator
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
 ``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2);
-``publish-shared`` (the ranks' engines share servers: rank 0's publishes, rank 1's follows; rank 0's fails at 3).
+``publish-shared`` (the ranks' engines share servers: rank 0's publishes, rank 1's follows; rank 0's fails at 3);
+``publish-sharded`` (sharded parameters, shared servers: rank 0 streams θ to two servers in bfloat16, one gathered
+tensor at a time, while rank 1 joins each gather).
 """
 
 from __future__ import annotations
@@ -225,7 +227,7 @@ class _SharedEngine:
         assert self.rank == 0, "a follower's engine published"
         if policy_version == 3:
             raise RolloutEngineError("the server did not acknowledge θ_3")
-        self.published.append((policy_version, sorted(state_dict)))
+        self.published.append((policy_version, sorted(state_dict.names())))
         self.policy_version = policy_version
         return PublishReceipt(policy_version, replicas=2, seconds=0.0)
 
@@ -255,6 +257,56 @@ def shared_publishing_case(fabric) -> dict:
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     return {"published": engine.published, "followed": engine.followed, "errors": errors}
+
+
+class _TwoServerEngine:
+    """Rank 0's engine streams every publication to two servers (two passes over the weights), in bfloat16."""
+
+    shared_servers = True
+    serving_dtype = torch.bfloat16
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.policy_version, self.passes = rank, 0, []
+
+    def publish(self, weights, policy_version: int):
+        from tslightning.rollout.engine import PublishReceipt
+
+        for _server in range(2):
+            self.passes.append({name: tensor.detach().cpu().clone() for name, tensor in weights.items()})
+        self.policy_version = policy_version
+        return PublishReceipt(policy_version, replicas=2, seconds=0.0)
+
+    def served(self):
+        from tslightning.rollout.vllm_server_engine import ServedVersion
+
+        return ServedVersion(self.policy_version, None, {0: "http://a:1", 1: "http://b:1"})
+
+    def follow(self, served) -> None:
+        self.policy_version = served.policy_version
+
+
+def sharded_publishing_case(fabric, dtype: torch.dtype) -> dict:
+    """Publication of a sharded policy to shared servers: what rank 0's two servers received, and every parameter
+    gathered independently (``gathered_parameters`` / ``full_tensor``) on every rank."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from tslightning.callbacks import WeightPublisher
+    from tslightning.core.sources import BatchClosed
+
+    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", accumulator_dtype=dtype)
+    _set_up(fabric, module)
+    engine = _TwoServerEngine(fabric.global_rank)
+    host = SimpleNamespace(policy=module.policy, policy_version=1, update_timings={})
+    WeightPublisher(engine, every_rank=True).on_train_batch_end(fabric, host, None, BatchClosed(0), 0)
+    with gathered_parameters(module.policy):
+        expected = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in module.policy.named_parameters()
+        }
+    names = list(module.policy.state_dict().keys())
+    return {"passes": engine.passes, "expected": expected, "names": names, "version": engine.policy_version}
 
 
 def _set_up(fabric, module: StreamingPolicyModule):
@@ -315,6 +367,8 @@ def main(out: str, strategy: str, *cases: str) -> None:
                 record = publishing_case(fabric)
             elif case == "publish-shared":
                 record = shared_publishing_case(fabric)
+            elif case == "publish-sharded":
+                record = sharded_publishing_case(fabric, DTYPES[strategy])
             else:
                 record = run_case(case, fabric, DTYPES[name])
         except Exception:

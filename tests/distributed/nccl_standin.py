@@ -9,6 +9,11 @@ collective tslightning itself issues with a host tensor on the default group (ra
 ticks, the barrier's reductions, the publication agreement), which NCCL would reject. Its backend name is not
 ``gloo``, so tslightning's collectives make their gloo side group as they would next to NCCL.
 
+It also behaves as NCCL does when a peer fails: a collective waiting for a rank that never joins it waits (no error
+of its own) until the communicator is aborted — :meth:`HostTensorRejectingGroup.abort`, which
+:func:`tslightning.distributed.failure_watch.abort_data_groups` calls — and then raises, as do the collectives after
+it. (gloo itself cannot be aborted: each collective here is waited for in short slices that check for the abort.)
+
 Register it with :func:`register` in every rank's process before ``init_process_group(backend="nccl_standin")``
 (``tslightning fit --learner.process_group_backend nccl_standin``).
 """
@@ -16,6 +21,7 @@ Register it with :func:`register` in every rank's process before ``init_process_
 from __future__ import annotations
 
 import sys
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -38,36 +44,51 @@ class HostTensorRejectingGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._aborted = threading.Event()
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d API's name
         return NAME
 
+    def abort(self) -> None:
+        """As ``ncclCommAbort``: collectives waiting now, and every later one, raise."""
+        self._aborted.set()
+
     def allreduce(self, tensors, opts=None):
         self._check(tensors, "allreduce")
-        return self._gloo.allreduce(tensors, opts or dist.AllreduceOptions())
+        return self._waited(self._gloo.allreduce(tensors, opts or dist.AllreduceOptions()))
 
     def broadcast(self, tensors, opts=None):
         self._check(tensors, "broadcast")
-        return self._gloo.broadcast(tensors, opts or dist.BroadcastOptions())
+        return self._waited(self._gloo.broadcast(tensors, opts or dist.BroadcastOptions()))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         self._check(input_tensors, "allgather")
-        return self._gloo.allgather(output_tensors, input_tensors, opts or dist.AllgatherOptions())
+        return self._waited(self._gloo.allgather(output_tensors, input_tensors, opts or dist.AllgatherOptions()))
 
     def _allgather_base(self, output, input, opts=None):
         self._check([input], "all_gather_into_tensor")
-        return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+        return self._waited(self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions()))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         self._check(output_tensors, "reduce_scatter")
-        return self._gloo.reduce_scatter(output_tensors, input_tensors, opts or dist.ReduceScatterOptions())
+        options = opts or dist.ReduceScatterOptions()
+        return self._waited(self._gloo.reduce_scatter(output_tensors, input_tensors, options))
 
     def _reduce_scatter_base(self, output, input, opts=None):
         self._check([input], "reduce_scatter_tensor")
-        return self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+        return self._waited(self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions()))
 
     def barrier(self, opts=None):
-        return self._gloo.barrier(opts or dist.BarrierOptions())
+        return self._waited(self._gloo.barrier(opts or dist.BarrierOptions()))
+
+    def _waited(self, work):
+        """The finished ``work``; raises as NCCL does once the group was aborted (before or while it waits)."""
+        while not work.is_completed():
+            if self._aborted.wait(0.01):
+                break
+        if self._aborted.is_set():
+            raise RuntimeError(f"{NAME}: the communicator was aborted (ncclCommAbort); collective not completed")
+        return work
 
     def _check(self, tensors, name: str) -> None:
         if not any(t.device.type == "cpu" for t in tensors) or _trusted_caller():

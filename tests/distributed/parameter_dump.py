@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from tslightning.callbacks.weight_publisher import full_weights
+from tslightning.callbacks.published_weights import full_tensors
 
 
 class ParameterDump(L.Callback):
@@ -22,7 +22,7 @@ class ParameterDump(L.Callback):
         self.path = Path(path)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        weights = full_weights(pl_module.policy)()
-        state = {name: tensor.detach().cpu().clone() for name, tensor in weights.items()}
+        tensors = full_tensors(pl_module.policy, pl_module.placement)
+        state = {name: tensor.detach().cpu().clone() for name, tensor in tensors}
         self.path.mkdir(parents=True, exist_ok=True)
         torch.save(state, self.path / f"theta-rank{trainer.global_rank}.pt")

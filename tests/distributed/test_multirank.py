@@ -160,9 +160,24 @@ def sharded_run(request, tmp_path_factory):
     if request.param.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp(request.param)
-    done = _launch(out, request.param, *SHARDED_CASES, "fail-ingest")
+    done = _launch(out, request.param, *SHARDED_CASES, "fail-ingest", "publish-sharded")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, request.param
+
+
+def test_a_sharded_policy_streams_to_shared_servers_one_gathered_tensor_at_a_time(sharded_run):
+    """Rank 0 streams θ to two servers (two passes, each tensor gathered from both ranks as it comes, cast to the
+    servers' bfloat16) while rank 1 joins every gather; both end at the new version."""
+    out, strategy = sharded_run
+    publisher, follower = (_load(out, strategy, "publish-sharded", r) for r in (0, 1))
+    assert follower["passes"] == [] and follower["version"] == publisher["version"] == 1
+    assert len(publisher["passes"]) == 2
+    for received in publisher["passes"]:
+        assert list(received) == publisher["names"]  # every state-dict entry, in order, tied lm_head included
+        assert all(tensor.dtype == torch.bfloat16 for tensor in received.values())
+        for name, full in publisher["expected"].items():
+            assert torch.equal(received[name], full.to(torch.bfloat16)), name
+    assert all(torch.equal(follower["expected"][n], publisher["expected"][n]) for n in publisher["expected"])
 
 
 @pytest.mark.parametrize("case", SHARDED_CASES)
@@ -242,7 +257,7 @@ def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     out = tmp_path / "run"
     run_fit(
         out, "--rollout.engine", "vllm", "--learner.devices", "2", "--learner.strategy", "ddp", "--updates", "2",
-        "--warm_start.steps", "600", "--record_batches", "true", "--checkpoint.enabled", "false",
+        "--warm_start.steps", "300", "--record_batches", "true", "--checkpoint.enabled", "false",
         *dump_parameters(out), timeout=900,
     )  # fmt: skip
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]

@@ -172,3 +172,24 @@ def test_warm_start_task_names_demonstrate_those_tasks_instead_of_the_training_t
     prepare_policy(rank_zero, ModelSettings(), rollout, warm_start, training_tasks(rollout), 3, tmp_path, False)
     library = {name: (library_dir() / name / "instruction.md").read_text().strip() for name in warm_start.task_names}
     assert sorted(demo.instruction for demo in fitted) == sorted(library.values())  # compute-checksum is a dev task
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)])
+def test_the_in_process_teacher_scores_on_the_learners_device_in_the_serving_dtype(tmp_path, precision, dtype):
+    """A GPU run's frozen teacher sits on its learner's GPU in bf16, not on the host in fp32."""
+    from tslightning.distributed.rank_placement import RankPlacement
+    from tslightning.models.tiny_model import save_tiny_model
+
+    teacher_dir = save_tiny_model(tmp_path / "teacher")
+    fabric = SimpleNamespace(global_rank=0, device=torch.device("cpu"))
+    model = ModelSettings(teacher_path=str(teacher_dir), precision=precision)
+    scorer = startup.start_teacher(
+        fabric, model, RolloutSettings(), WarmStartSettings(), [], 0, tmp_path, False, RankPlacement(0, 1)
+    )
+    try:
+        parameter = next(scorer.teacher.parameters())
+        assert parameter.dtype == dtype and parameter.device == fabric.device
+        scores = scorer.score(torch.tensor([1, 2, 3, 4]), torch.tensor([False, False, True, True]))
+        assert scores.dtype == torch.float32 and scores.shape == (2,)
+    finally:
+        scorer.close()

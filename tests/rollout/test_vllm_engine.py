@@ -138,3 +138,17 @@ def test_close_aborts_a_running_batch_and_gives_the_host_process_back(engine, pr
     assert "distributed" not in getattr(sys.excepthook, "__qualname__", "")
     with pytest.raises(RolloutEngineError, match="closed"):
         engine.submit(GenerationRequest("late", prompts[0], 4, seed=0))
+
+
+def test_an_engine_in_this_process_forks_only_this_processs_gpu_generator(monkeypatch):
+    """vLLM reseeds the generators while starting; the engine restores this process's GPU's alone (forking every
+    visible GPU's would open a CUDA context on each of them)."""
+    touched = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": touched.append(device) or torch.ones(2))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": touched.append(device))
+    with vllm_engine._contain_vllm_side_effects():
+        pass
+    assert touched == [3, 3]

@@ -124,8 +124,8 @@ def rng_states() -> dict[str, Any]:
     else:
         name, keys, position, has_gauss, gauss = np.random.get_state()
         states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), position, has_gauss, gauss)
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only: touching every GPU would open a context on each
+        states["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return states
 
 
@@ -139,7 +139,12 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
         name, keys, position, has_gauss, gauss = states["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        device = torch.cuda.current_device()
+        state = states["cuda"]
+        if isinstance(state, list | tuple):  # an older checkpoint's every-device list
+            state = state[device] if device < len(state) else None
+        if state is not None:
+            torch.cuda.set_rng_state(state, device)
 
 
 def save_file(obj: Any, path: Path) -> None:

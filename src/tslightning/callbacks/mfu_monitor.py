@@ -14,16 +14,19 @@ scored rows only, :mod:`tslightning.objectives.scored_logprobs`). Each source is
 padding of the ``sync`` schedule's micro-batches, which App. B.1 would count as executed work, is left out, so every
 schedule is credited the same learner FLOPs. Without any of these the monitor warns once and logs step times only.
 
-The peak comes from Lightning's :func:`~lightning.fabric.utilities.throughput.get_available_flops` or an explicit
-override. Lightning's :class:`~lightning.fabric.utilities.throughput.Throughput` averages FLOPs over a sliding time
-window (a ratio of sums); Eq. 11 is the mean of per-update ratios over the updates after warm-up, so the monitor
-computes Eq. 10 per update itself.
+The peak is an explicit override, else the dense peak of the device's chip (:mod:`tslightning.callbacks.peak_flops`:
+its own table for current data-centre GPUs, then Lightning's
+:func:`~lightning.fabric.utilities.throughput.get_available_flops`). A device neither table knows (a CPU, a new chip)
+has MFU left out of the metrics, with one warning naming the override; training never fails for it.
+
+Lightning's :class:`~lightning.fabric.utilities.throughput.Throughput` averages FLOPs over a sliding time window (a
+ratio of sums); Eq. 11 is the mean of per-update ratios over the updates after warm-up, so the monitor computes
+Eq. 10 per update itself.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -31,10 +34,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype, get_available_flops
+from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
 
+from tslightning.callbacks.peak_flops import device_peak_flops
 from tslightning.callbacks.update_callback import UpdateCallback, module_name, sum_over_ranks
 from tslightning.learner.update_log import log_update_metrics
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.measure.learner_flops import DecoderShape, WeightTraining, learner_flops
 
 
@@ -96,9 +101,10 @@ class MFUMonitor(UpdateCallback):
     before one in the callbacks.
 
     Args:
-        available_flops: Peak FLOP/s of one learner device. ``None`` reads Lightning's table for the strategy's root
-            device and compute dtype; CPUs and chips missing from the table need it. The paper uses dense BF16:
-            989.5e12 per H200, 2250e12 per B200 (App. B.4) — Lightning's H200 entries are the sparse figures.
+        available_flops: Peak FLOP/s of one learner device. ``None`` reads the dense peak of the strategy's root
+            device in its compute dtype (:mod:`~tslightning.callbacks.peak_flops`: e.g. 989.4e12 per H100/H200,
+            2.25e15 per B200 in BF16, App. B.4); where no table knows the device (CPUs, new chips) MFU is not logged
+            and the monitor warns once.
         window: How many most recent updates the history keeps (and Eq. 11 averages); ``None`` keeps all.
         warmup_updates: Leading updates left out of :meth:`mean_mfu` and :meth:`mean_step_time` (startup, App. B.2).
         flops_fn: This rank's learner FLOPs of the update that just stepped, given the LightningModule; ``None``
@@ -145,18 +151,16 @@ class MFUMonitor(UpdateCallback):
 
     # ----------------------------------------------------------------- hooks (Trainer and Fabric)
     def on_update_start(self, trainer: Any, pl_module: Any, batch: Any) -> None:
-        """Update k opens: the step's wall time starts (the peak is resolved first, so a missing one fails early)."""
+        """Update k opens: the step's wall time starts (the peak is resolved at the first update; 0.0: unknown)."""
         if self._peak is None:
             self._peak = self._resolve_peak(trainer, pl_module)
-        self._start = time.perf_counter()
+        self._start = synchronized_clock(trainer.strategy.root_device)
 
     def on_update_end(self, trainer: Any, pl_module: Any, k: int, batch: Any) -> None:
         """Update k stepped and was published: measure, record and log it."""
         if self._start is None:
             return
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)  # queued kernels of the update belong to its wall time
-        step_s = time.perf_counter() - self._start
+        step_s = synchronized_clock(trainer.strategy.root_device) - self._start  # its queued kernels included
         self._start = None
         measurement = self._measure(trainer, pl_module, k, step_s)
         self.history.append(measurement)
@@ -196,7 +200,7 @@ class MFUMonitor(UpdateCallback):
         flops = self._flops(module)
         tokens = None if records is None else sum(record.tokens for record in records)
         summed = sum_over_ranks(trainer, [float(flops or 0.0), float(tokens or 0)])
-        mfu = None if flops is None else summed[0] / (step_s * self._peak * trainer.world_size)
+        mfu = None if flops is None or not self._peak else summed[0] / (step_s * self._peak * trainer.world_size)
         return UpdateMeasurement(
             index=self._measured,
             policy_version=k,
@@ -234,18 +238,22 @@ class MFUMonitor(UpdateCallback):
         return self._architecture
 
     def _resolve_peak(self, trainer: Any, module: Any) -> float:
+        """The peak FLOP/s of one learner device; 0.0 (after one warning) where no table knows the device."""
         if self.available_flops is not None:
             return float(self.available_flops)
         device = trainer.strategy.root_device
         dtype = _compute_dtype(trainer, module)
-        peak = get_available_flops(device, dtype)
-        if not peak:
+        peak = device_peak_flops(device, dtype)
+        if peak is None:
+            if trainer.global_rank != 0:
+                return 0.0
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-            raise ValueError(
-                f"MFUMonitor needs the peak FLOP/s of a learner device, but Lightning's get_available_flops has no "
-                f"entry for {name!r} in {dtype}; pass MFUMonitor(available_flops=...) — FLOP/s per device, e.g. "
-                "989.5e12 for an H200 or 2250e12 for a B200 in dense BF16 (App. B.4)"
+            self.warn_once(
+                f"no peak FLOP/s known for {name!r} in {dtype}: MFU (perf/mfu/actor) is not logged; pass "
+                "MFUMonitor(available_flops=...) (fit: available_flops) — FLOP/s per device, e.g. 989.4e12 for an "
+                "H100/H200 or 2.25e15 for a B200 in dense BF16 (App. B.4)"
             )
+            return 0.0
         return float(peak)
 
     def _warn_if_above_peak(self, trainer: Any, measurement: UpdateMeasurement) -> None:

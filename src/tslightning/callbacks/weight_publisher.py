@@ -1,19 +1,20 @@
 """Publication of θ_{k+1} to every rollout replica after update k, acknowledged before batch k+1 starts (Eq. 3).
 
-One small versioned operation: gather the full weights, ``engine.publish(weights, k + 1)`` (which returns only once
-every replica acknowledged and cleared its policy-dependent caches), check the receipt's version, record the time.
+One small versioned operation: ``engine.publish(weights, k + 1)`` (which returns only once every replica acknowledged
+and cleared its policy-dependent caches), check the receipt's version, record the time. ``weights`` is a stream
+(:mod:`tslightning.callbacks.published_weights`): one full tensor at a time, cast to the engine's serving dtype, each
+pass ordered after the optimizer step's kernels — the learner never stages a full copy of the model.
 
 Learner ranks sharing rollout servers (an engine whose ``shared_servers`` is true, e.g. ``vllm_server`` on several
-ranks) publish once per server: every rank joins the gather (FSDP2 / ZeRO-3), only global rank 0 keeps the full
-weights and publishes them, and its outcome — with what the servers now serve — is broadcast, so every other rank's
-engine adopts the new version only after every server acknowledged it.
+ranks) publish once per server: global rank 0 streams the weights to every server while the others join each
+tensor's gather (FSDP2 / ZeRO-3), and its outcome — with what the servers now serve — is broadcast, so every other
+rank's engine adopts the new version only after every server acknowledged it.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from threading import Thread
 from typing import Any
@@ -21,12 +22,13 @@ from typing import Any
 import lightning as L
 import torch
 
+from tslightning.callbacks.published_weights import PublishedWeights, merged_lora_tensors, step_completion
 from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name
 from tslightning.distributed.collectives import control_all_reduce, control_broadcast
-from tslightning.distributed.fsdp_gradients import full_state_dict, shards_parameters
-from tslightning.distributed.zero_gradients import gathered_parameters, partitions_parameters
+from tslightning.distributed.parameter_placement import ParameterPlacement, placement_of_strategy
 from tslightning.learner.update_log import log_update_metrics
-from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError
+from tslightning.measure.device_clock import synchronized_clock
+from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError, WeightStream
 
 
 class WeightPublisher(UpdateCallback):
@@ -105,9 +107,10 @@ class WeightPublisher(UpdateCallback):
         """
         self._require_engine()
         version = k + 1
-        start = time.perf_counter()
+        device = trainer.strategy.root_device
+        start = synchronized_clock(device)
         self._publish_everywhere(trainer, pl_module, version)
-        seconds = time.perf_counter() - start
+        seconds = synchronized_clock(device) - start
         self.last_publication = Publication(version, seconds, time.time())
         timings = getattr(pl_module, "update_timings", None)
         if isinstance(timings, dict):
@@ -117,10 +120,11 @@ class WeightPublisher(UpdateCallback):
         log_update_metrics(trainer, pl_module, {"timing_s/update_weights": seconds}, step=k)
 
     def _publish_everywhere(self, trainer: Any, pl_module: Any, version: int) -> None:
-        """Gather the full weights (FSDP2 / ZeRO-3: a collective of every rank) and publish them at ``version``."""
+        """Stream θ_{k+1} (FSDP2 / ZeRO-3: each tensor a collective of every rank) to the engine(s) at ``version``."""
         shared = self.every_rank and bool(getattr(self.engine, "shared_servers", False))
-        keep = not shared or trainer.global_rank == 0  # sharing ranks: only the publisher keeps the gathered copy
-        weights = full_weights(self._policy_of(pl_module), adapter=self._adapter_only(), keep=keep)
+        leads = (shared or not self.every_rank) and trainer.global_rank == 0  # rank 0 publishes for every rank
+        placement = getattr(pl_module, "placement", None) or placement_of_strategy(trainer.strategy)
+        weights = publication_weights(self._policy_of(pl_module), self.engine, placement, leads)
         if shared:
             publish_to_shared_servers(self.engine, weights, version, trainer.global_rank, self.timeout_s)
         elif self.every_rank:
@@ -149,14 +153,18 @@ class WeightPublisher(UpdateCallback):
     def _policy_of(self, module: Any) -> torch.nn.Module:
         return self.policy(module) if self.policy is not None else module.policy
 
-    def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
-        """Rank 0 publishes (a replicated policy: every rank holds θ_{k+1}); every rank raises if it failed."""
+    def _publish_from_rank_zero(self, trainer: L.Trainer | L.Fabric, weights: WeightStream, version: int) -> None:
+        """Rank 0 publishes (the others join a sharded policy's gathers); every rank raises if it failed."""
         error = None
         if trainer.global_rank == 0:
             try:
                 self._publish(weights, version)
             except Exception as exc:
                 error = exc
+            finally:
+                _finish(weights)
+        else:
+            _follow(weights)
         # The broadcast is also the sync point: no rank starts batch k+1 before every replica acknowledged θ_{k+1}.
         failure = trainer.strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}", src=0)
         if error is not None:
@@ -164,7 +172,7 @@ class WeightPublisher(UpdateCallback):
         if failure is not None:
             raise RolloutEngineError(f"global rank 0 failed to publish θ_{version}: {failure}")
 
-    def _publish_from_every_rank(self, trainer: L.Trainer | L.Fabric, weights: Callable, version: int) -> None:
+    def _publish_from_every_rank(self, trainer: L.Trainer | L.Fabric, weights: WeightStream, version: int) -> None:
         """Every rank publishes to its own engine; every rank raises if any of them failed."""
         error = None
         try:
@@ -178,9 +186,8 @@ class WeightPublisher(UpdateCallback):
         if failed > 0:
             raise RolloutEngineError(f"{int(failed)} learner rank(s) failed to publish θ_{version}")
 
-    def _publish(self, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> PublishReceipt:
-        state = weights()
-        return _checked(_wait_for(lambda: self.engine.publish(state, version), self.timeout_s, version), version)
+    def _publish(self, weights: WeightStream, version: int) -> PublishReceipt:
+        return _checked(_wait_for(lambda: self.engine.publish(weights, version), self.timeout_s, version), version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"published_version": self.published_version, "publications": self.publications}
@@ -191,10 +198,15 @@ class WeightPublisher(UpdateCallback):
 
 
 def publish_to_shared_servers(
-    engine: Any, weights: Callable[[], dict[str, torch.Tensor]], version: int, rank: int, timeout_s: float | None = None
+    engine: Any,
+    weights: Mapping[str, torch.Tensor] | WeightStream,
+    version: int,
+    rank: int,
+    timeout_s: float | None = None,
 ) -> None:
-    """Every learner rank calls this: global rank 0's engine publishes ``weights()`` at ``version`` to the servers
-    all ranks sample from, once each; the other ranks' engines then ``follow`` what it reports serving.
+    """Every learner rank calls this: global rank 0's engine publishes ``weights`` at ``version`` to the servers all
+    ranks sample from, once each; the other ranks join a sharded policy's gathers (:meth:`PublishedWeights.follow`),
+    then their engines ``follow`` what it reports serving.
 
     The first agreement holds rank 0 until every rank finished sampling (no request of any rank is in flight when the
     servers pause); the broadcast of rank 0's outcome is the second: no rank samples at ``version`` before every
@@ -208,11 +220,14 @@ def publish_to_shared_servers(
     error: Exception | None = None
     if rank == 0:
         try:
-            state = weights()
-            _checked(_wait_for(lambda: engine.publish(state, version), timeout_s, version), version)
+            _checked(_wait_for(lambda: engine.publish(weights, version), timeout_s, version), version)
             outcome = engine.served()
         except Exception as exc:
             outcome, error = f"{type(exc).__name__}: {exc}", exc
+        finally:
+            _finish(weights)
+    else:
+        _follow(weights)
     outcome = control_broadcast(outcome, src=0)
     if error is not None:
         raise error
@@ -220,6 +235,39 @@ def publish_to_shared_servers(
         raise RolloutEngineError(f"global rank 0 failed to publish θ_{version} to the shared servers: {outcome}")
     if rank != 0:
         engine.follow(outcome)
+
+
+def publication_weights(
+    policy: torch.nn.Module, engine: Any, placement: ParameterPlacement, leads: bool = False
+) -> WeightStream:
+    """What a publication to ``engine`` sends: the LoRA adapter alone for an engine that serves adapters
+    (``engine.publishes_adapter``; small, read as it is), else θ's full tensors streamed in the engine's serving
+    dtype (``engine.serving_dtype``) after the optimizer step's kernels (:class:`PublishedWeights`).
+
+    Args:
+        policy: The model the engine serves.
+        engine: The rollout engine.
+        placement: Where the policy's parameters live (the run's placement gathers each full tensor).
+        leads: This rank publishes for ranks that follow it (see :func:`publish_to_shared_servers`).
+    """
+    if bool(getattr(engine, "publishes_adapter", False)):
+        return WeightStream.of(adapter_state_dict(policy))
+    ready = step_completion(_device_of(policy))  # recorded now, right after the step was queued
+    return PublishedWeights(policy, placement, getattr(engine, "serving_dtype", None), ready, leads)
+
+
+def _device_of(policy: torch.nn.Module) -> torch.device:
+    return next(policy.parameters()).device
+
+
+def _finish(weights: Mapping[str, torch.Tensor] | WeightStream) -> None:
+    if isinstance(weights, PublishedWeights):
+        weights.finish()
+
+
+def _follow(weights: Mapping[str, torch.Tensor] | WeightStream) -> None:
+    if isinstance(weights, PublishedWeights):
+        weights.follow()
 
 
 def _checked(receipt: PublishReceipt, version: int) -> PublishReceipt:
@@ -231,44 +279,15 @@ def _checked(receipt: PublishReceipt, version: int) -> PublishReceipt:
     return receipt
 
 
-def full_weights(
-    policy: torch.nn.Module, adapter: bool = False, keep: bool = True
-) -> Callable[[], dict[str, torch.Tensor]]:
-    """What :meth:`WeightPublisher._publish` publishes, as a thunk: read lazily, except under ZeRO-3 or FSDP2, where
-    every rank gathers the partitioned parameters now (a collective) and keeps a full copy for the publishing rank.
-
-    With ``keep=False`` (a rank that joins the gather but does not publish) nothing is kept: FSDP2's parameters are
-    gathered one at a time and dropped, ZeRO-3's are not copied, and the thunk returns ``{}``.
-
-    With ``adapter`` (an engine that serves LoRA adapters) it is the peft policy's adapter alone
-    (:func:`adapter_state_dict`), read on a replicated policy (sharded parameters are refused by ``fit``).
-    """
-    if adapter:
-        return lambda: adapter_state_dict(policy)
-    if shards_parameters(policy):
-        state = full_state_dict(policy, keep=keep)
-        return lambda: state
-    if not partitions_parameters(policy):
-        return (lambda: publishable_state_dict(policy)) if keep else dict
-    with gathered_parameters(policy):
-        state = (
-            {name: tensor.detach().to("cpu", copy=True) for name, tensor in publishable_state_dict(policy).items()}
-            if keep
-            else {}
-        )
-    return lambda: state
-
-
 def publishable_state_dict(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full weights a replica serves: ``policy.state_dict()``, with LoRA adapters merged for a peft model.
-
-    A peft model's adapters are merged into a deep copy (``merge_and_unload``), so the trained model keeps its
-    adapters and exact base weights; the copy costs one more model's memory during publication.
+    """The full weights a replica serves, as a state dict: ``policy.state_dict()``, with a peft model's LoRA adapters
+    merged layer by layer (:func:`~tslightning.callbacks.published_weights.merged_lora_tensors`; the trained model
+    keeps its adapters). For exports and checks; publication streams them instead (:func:`publication_weights`).
     """
     from peft import PeftModel
 
     if isinstance(policy, PeftModel):
-        return copy.deepcopy(policy).merge_and_unload().state_dict()
+        return dict(merged_lora_tensors(policy))
     return policy.state_dict()
 
 

@@ -12,7 +12,6 @@ beside the paper's reference: the gap between a bfloat16-forward and a float32 s
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from tslightning.core.batch_registry import Objective
 from tslightning.core.replay_batches import ReplayBatch, WorkloadShape, synthetic_grpo_batch, synthetic_opd_batch
 from tslightning.learner.precision import compute_norms_in_float64
 from tslightning.learner.streaming_module import Schedule, StreamingPolicyModule
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -50,6 +50,8 @@ class VerifyReport:
     stream_seconds_per_source: float
     sync_seconds_per_source: float
     tolerance: float
+    device: str = "cpu"
+    """Where the four replays ran."""
     passed: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,7 +66,8 @@ class VerifyReport:
         verdict = "PASS" if self.passed else "FAIL"
         return "\n".join(
             [
-                f"tslightning verify: {self.objective} {self.dtype}, {self.updates} update(s), seed {self.seed}",
+                f"tslightning verify: {self.objective} {self.dtype}, {self.updates} update(s), seed {self.seed}, "
+                f"on {self.device}",
                 f"  g_0 streamed vs sync: rel. error {self.first_direction_rel_error:.3e}, "
                 f"cosine 1 - {1 - self.first_direction_cosine:.1e}  (tolerance {self.tolerance:.0e}) {verdict}",
                 f"  parameter gap Δ_k streamed vs sync:  {gaps}",
@@ -89,12 +92,13 @@ class _Replay:
         self.sources = 0
 
     def update(self, batch: ReplayBatch) -> None:
-        start = time.perf_counter()
+        device = self.module.layout.parameters[0].device
+        start = synchronized_clock(device)
         with self.precision:
             for item in batch.stream():
                 self.module.ingest(item)
             result = self.module.barrier(self.optimizer)
-        self.seconds += time.perf_counter() - start
+        self.seconds += synchronized_clock(device) - start
         self.sources += result.num_sources
         self.directions.append(self.module.last_direction.double())
 
@@ -103,15 +107,16 @@ class _Replay:
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.cpu(), b.cpu()
     return float((a - b).norm() / b.norm()) if bool(b.any()) else float((a - b).norm())
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    return float(torch.nn.functional.cosine_similarity(a.cpu(), b.cpu(), dim=0))
 
 
-def _policy_copy(base: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    policy = copy.deepcopy(base).to(dtype)
+def _policy_copy(base: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.nn.Module:
+    policy = copy.deepcopy(base).to(device=device, dtype=dtype)
     if dtype == torch.float64:
         compute_norms_in_float64(policy)
     return policy
@@ -139,8 +144,12 @@ def verify(
     seed: int = 0,
     shape: WorkloadShape | None = None,
     progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> VerifyReport:
-    """Replay ``updates`` synthetic logical batches under sync and streaming; see the module docstring."""
+    """Replay ``updates`` synthetic logical batches under sync and streaming; see the module docstring.
+
+    ``device`` is where the four replays (their policies, passes, statistics and steps) run, e.g. ``cuda``: the
+    exactness of the device's kernels, float64 included. The batches are made on the host either way."""
     if updates < 1:
         raise ValueError(f"updates must be >= 1; got {updates}")
     if dtype not in TOLERANCE:
@@ -149,14 +158,13 @@ def verify(
     tokenizer = build_tokenizer()
     base = build_tiny_model(TinyModelConfig(seed=seed), tokenizer)
     batches = _make_batches(objective, updates, seed, shape, base, tokenizer)
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype, device = getattr(torch, dtype), torch.device(device)
+    bf16 = torch.autocast(device.type, dtype=torch.bfloat16)
     runs = {
-        "sync": _Replay(_policy_copy(base, torch_dtype), objective, Schedule.SYNC, nullcontext()),
-        "stream": _Replay(_policy_copy(base, torch_dtype), objective, Schedule.THUNDERSYNC, nullcontext()),
-        "fp32": _Replay(_policy_copy(base, torch.float32), objective, Schedule.SYNC, nullcontext()),
-        "bf16": _Replay(
-            _policy_copy(base, torch.float32), objective, Schedule.SYNC, torch.autocast("cpu", dtype=torch.bfloat16)
-        ),
+        "sync": _Replay(_policy_copy(base, torch_dtype, device), objective, Schedule.SYNC, nullcontext()),
+        "stream": _Replay(_policy_copy(base, torch_dtype, device), objective, Schedule.THUNDERSYNC, nullcontext()),
+        "fp32": _Replay(_policy_copy(base, torch.float32, device), objective, Schedule.SYNC, nullcontext()),
+        "bf16": _Replay(_policy_copy(base, torch.float32, device), objective, Schedule.SYNC, bf16),
     }
     theta0 = runs["sync"].parameters()
     thetas: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
@@ -181,4 +189,5 @@ def verify(
         stream_seconds_per_source=runs["stream"].seconds / runs["stream"].sources,
         sync_seconds_per_source=runs["sync"].seconds / runs["sync"].sources,
         tolerance=TOLERANCE[dtype],
+        device=str(device),
     )

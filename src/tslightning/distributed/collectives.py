@@ -19,6 +19,7 @@ through unchanged, so it is reported as what it is, not as a dead rank.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -37,6 +38,7 @@ _PEER_FAILURE_MARKERS = (
 """Lower-case fragments of the errors gloo and NCCL raise when a peer died, hung or hung up."""
 
 _control_groups: dict[int, dist.ProcessGroup] = {}
+_control_timeouts: dict[int, timedelta] = {}
 
 
 class CollectiveFailure(RuntimeError):
@@ -48,19 +50,34 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def control_group() -> dist.ProcessGroup | None:
-    """The gloo group control messages use (``None``, the default group, on gloo; made once otherwise).
+def control_group(timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """The gloo group control messages use, made once: a side group of its own when the default group is not gloo or
+    ``timeout`` was given; else ``None`` (the default gloo group carries them, with its timeout).
+
+    Args:
+        timeout: The control messages' own timeout, given at the first call (``fit``: ``learner.control_timeout_s``).
+            Control messages include waits for other ranks' rollouts, so it is longer than the data collectives'.
 
     Every rank must call this at the same point the first time (any control collective does): creating a group is
     itself collective. ``fit`` calls it right after launch.
     """
-    if not distributed() or dist.get_backend() == dist.Backend.GLOO:
+    if not distributed():
         return None
-    default = dist.distributed_c10d._get_default_group()
-    key = id(default)
+    key = id(dist.distributed_c10d._get_default_group())
+    if timeout is not None and key not in _control_groups:
+        _control_timeouts[key] = timeout
     if key not in _control_groups:
-        _control_groups[key] = dist.new_group(backend=dist.Backend.GLOO, timeout=group_timeout())
+        if dist.get_backend() == dist.Backend.GLOO and key not in _control_timeouts:
+            return None
+        _control_groups[key] = dist.new_group(backend=dist.Backend.GLOO, timeout=control_timeout())
     return _control_groups[key]
+
+
+def control_timeout() -> timedelta | None:
+    """The control messages' timeout: the one given to :func:`control_group`, else the default group's."""
+    if not distributed():
+        return None
+    return _control_timeouts.get(id(dist.distributed_c10d._get_default_group())) or group_timeout()
 
 
 def control_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,7 +89,7 @@ def control_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu":
         raise ValueError(f"control messages are host tensors; got one on {tensor.device}")
     if distributed():
-        _run(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=control_group()))
+        _run(lambda: _unless_a_rank_died(dist.all_reduce(tensor, dist.ReduceOp.SUM, control_group(), async_op=True)))
     return tensor
 
 
@@ -148,6 +165,21 @@ def all_to_all_rows(
     receive_splits = [n if sending else 0 for sending in senders]
     _run(lambda: dist.all_to_all_single(incoming, send.reshape(-1), receive_splits, send_splits, group=group))
     return incoming.view(-1, n)
+
+
+def _unless_a_rank_died(work: dist.Work) -> None:
+    """Wait for ``work``; fail at once when the failure watch heard a rank die (it would never join: a vanished node
+    closes no connection, so gloo would wait for the group's timeout)."""
+    from tslightning.distributed.failure_watch import current_watch
+
+    watch, pause = current_watch(), 1e-4
+    while not work.is_completed():
+        dead = watch.dead() if watch is not None else {}
+        if dead:
+            raise CollectiveFailure(f"rank(s) {sorted(dead)} died while this rank waited for them: {dead}")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    work.wait()
 
 
 def _run(collective) -> None:

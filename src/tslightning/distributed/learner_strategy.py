@@ -2,8 +2,8 @@
 
 Every learner rank rolls out its own share of each logical batch (:mod:`tslightning.distributed.rank_assignment`) with
 its own rollout engine, streams those sources, and meets the other ranks at the barrier, where the batch direction is
-all-reduced (Eq. 3). A rank that fails, dies or hangs fails the update on every rank
-(:mod:`tslightning.distributed.rank_failure`) within ``timeout_s``.
+all-reduced (Eq. 3). A rank that fails or dies fails the update on every rank within seconds, one that hangs within
+its timeout (:mod:`tslightning.distributed.rank_failure`, :mod:`tslightning.distributed.failure_watch`).
 
 Launching several ranks (Fabric's launchers; every rank runs the same command line):
 
@@ -52,7 +52,16 @@ class LearnerSettings:
     ``deepspeed_stage_3`` and ``fsdp`` (FSDP2; both shard the parameters, serve sources in lock-step ticks and need
     ``context_backward=recompute``)."""
     timeout_s: float = 1800.0
-    """Longest wait in a collective: a rank that died or hangs fails the update on every rank after this."""
+    """Longest wait in a data collective (the default group's: gradient reductions, FSDP2 / ZeRO-3 gathers, NCCL's
+    watchdog): a rank that hangs there fails the update after this. A rank that raises (out of memory included) or
+    dies is heard within seconds instead (``heartbeat_timeout_s``), and NCCL collectives waiting for it are aborted;
+    a gloo data collective (CPU learners) cannot be aborted and waits this long."""
+    control_timeout_s: float = 14400.0
+    """Longest wait in a control message (the barrier's agreement, lock-step ticks, publication outcomes), where a
+    rank also waits for the other ranks' rollouts: a rank that hangs while alive fails the update after this."""
+    heartbeat_timeout_s: float = 20.0
+    """A rank whose heartbeat (every 0.5 s, over the rendezvous store) stops this long is dead: every other rank
+    fails the update with ``RankFailureError`` (:mod:`tslightning.distributed.failure_watch`)."""
     process_group_backend: str | None = None
     """torch.distributed backend of the learner ranks' default group; ``None``: gloo on CPU, NCCL on GPUs (Fabric's
     choice). tslightning's own control messages always travel over gloo (a side group when this is not gloo)."""
@@ -92,8 +101,9 @@ class LearnerSettings:
         problems = []
         if self.devices < 1 or self.num_nodes < 1:
             problems.append(f"learner.devices and learner.num_nodes must be >= 1; got {self.devices}, {self.num_nodes}")
-        if not self.timeout_s > 0:
-            problems.append(f"learner.timeout_s must be > 0; got {self.timeout_s}")
+        for name in ("timeout_s", "control_timeout_s", "heartbeat_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"learner.{name} must be > 0 seconds; got {getattr(self, name)}")
         if isinstance(self.fold_queue_depth, bool) or self.fold_queue_depth < 0:
             problems.append(
                 f"learner.fold_queue_depth must be an int >= 0 (0: fold on the learner thread); got "

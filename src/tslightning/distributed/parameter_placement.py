@@ -162,6 +162,17 @@ class ParameterPlacement:
             applied *= clip_coefficient(float(grad_norm), max_norm)
         return applied
 
+    # ----------------------------------------------------------------- publication
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A parameter or buffer of the policy with its full value, detached (publication streams them one at a
+        time, :mod:`tslightning.callbacks.published_weights`). Where parameters are sharded this is a collective:
+        every rank asks for the same tensors in the same order."""
+        return tensor.detach()
+
+    def full_shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        """The shape :meth:`full_tensor` returns, gathering nothing."""
+        return tuple(tensor.shape)
+
 
 class ZeroPlacement(ParameterPlacement):
     """DeepSpeed ZeRO-2 (partitioned optimizer state and gradients) or ZeRO-3 (parameters partitioned too, gathered
@@ -196,6 +207,17 @@ class ZeroPlacement(ParameterPlacement):
     def after_pass(self) -> None:
         release_pass_leftovers(self.module)
 
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not hasattr(tensor, "ds_id"):  # ZeRO-2, or a tensor ZeRO-3 did not partition
+            return tensor.detach()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+            return tensor.data.detach().clone()  # copied out before the partition is released
+
+    def full_shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        return tuple(getattr(tensor, "ds_shape", None) or tensor.shape)  # ZeRO-3 keeps the full shape aside
+
     def apply_direction(
         self, direction: torch.Tensor, norm: float, max_norm: float | None, before_step: BeforeStep
     ) -> float:
@@ -228,6 +250,11 @@ class FullyShardedPlacement(ParameterPlacement):
 
     def leaves(self) -> list[torch.Tensor]:
         return gradient_leaves(self.module.policy, self.module.layout.parameters)
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return tensor.full_tensor().detach() if isinstance(tensor, DTensor) else tensor.detach()
 
     def apply_direction(
         self, direction: torch.Tensor, norm: float, max_norm: float | None, before_step: BeforeStep

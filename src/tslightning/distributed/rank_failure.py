@@ -3,11 +3,13 @@
 Each rank does its local work of update k (ingest, sync-schedule learner work) on its own; the barrier's first
 collective is an *agreement*: an all-reduce of one status flag per rank. A rank whose local work raised reports
 failure there (:func:`reported_to_ranks`), every rank sees it and raises :class:`RankFailureError` before the
-direction is reduced, written or stepped — so no rank takes a partial step. A rank that died or hangs never
-reaches the agreement: the collective then fails after the process group's timeout (Fabric's
-``DDPStrategy(timeout=...)``, default 30 min) and that failure becomes the same error, naming the update and the
-timeout. On a single process both are no-ops and the original exception passes through unchanged. The agreement is
-a control message (:mod:`tslightning.distributed.collectives`): a gloo group carries it whatever the data backend.
+direction is reduced, written or stepped — so no rank takes a partial step. A rank that failed first posts its
+failure on the :mod:`~tslightning.distributed.failure_watch` side channel, whose watch also notices a rank that
+died: a rank blocked in a data collective the failed rank will never enter has that collective aborted (NCCL) and
+reaches the agreement within seconds. A rank that hangs while alive fails the collective after the control group's
+timeout (``learner.control_timeout_s``), and that failure becomes the same error, naming the update. On a single
+process all of this is a no-op and the original exception passes through unchanged. The agreement is a control
+message (:mod:`tslightning.distributed.collectives`): a gloo group carries it whatever the data backend.
 
 Ranks that serve learner work in lock-step (sharded parameters, :mod:`tslightning.distributed.lockstep`) exchange a
 status word per tick through :func:`exchange_status`, in the agreement's own layout (one float64 slot per rank, ``> 0``
@@ -22,7 +24,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from tslightning.distributed.collectives import CollectiveFailure, control_all_reduce, distributed, group_timeout
+from tslightning.distributed.collectives import CollectiveFailure, control_all_reduce, control_timeout, distributed
+from tslightning.distributed.failure_watch import current_watch
 
 
 class RankFailureError(RuntimeError):
@@ -55,6 +58,11 @@ def reported_to_ranks(update: int) -> Iterator[None]:
     except Exception as error:
         if not distributed():
             raise
+        watch = current_watch()
+        if watch is not None and watch.aborted:  # this rank's collective was aborted for another rank's failure
+            _agree(update, error, blamed=False)
+            raise  # (an abort follows a failure heard elsewhere, which the agreement raised for)
+        _post(_label(update), error)
         _agree(update, error)
 
 
@@ -99,17 +107,20 @@ def agreed_by_ranks(phase: str) -> Iterator[None]:
         if not distributed():
             raise
         error = raised
+        _post(phase, error)
     _agree(phase, error, consequence="training did not start")
     if error is not None:  # _agree raised for it already; kept for type checkers
         raise error
 
 
-def _agree(update: int | str, error: Exception | None, consequence: str = _NO_STEP) -> None:
+def _agree(update: int | str, error: Exception | None, consequence: str = _NO_STEP, blamed: bool = True) -> None:
+    """The agreement itself; ``blamed=False``: ``error`` is the consequence of another rank's failure (an aborted
+    collective), so this rank reports success and raises for the ranks that failed."""
     if not distributed():
         return
     rank, world_size = dist.get_rank(), dist.get_world_size()
     flags = torch.zeros(world_size, dtype=torch.float64)
-    flags[rank] = 0.0 if error is None else 1.0
+    flags[rank] = 1.0 if error is not None and blamed else 0.0
     _all_reduce(flags, update, rank, error, consequence)
     _raise_if_failed(flags, update, world_size, error, consequence)
 
@@ -118,18 +129,35 @@ def _label(update: int | str) -> str:
     return f"update {update}" if isinstance(update, int) else update
 
 
+def _post(label: str, error: BaseException) -> None:
+    """Tell the other ranks' watches at once: one of them may be blocked where the agreement cannot reach it."""
+    watch = current_watch()
+    if watch is not None:
+        watch.post(label, error)
+
+
+def _heard() -> str:
+    """What this rank's watch heard of the others, for an error message ('' without a watch or news)."""
+    watch = current_watch()
+    heard = watch.failures() if watch is not None else {}
+    heard.pop(watch.rank if watch is not None else -1, None)  # this rank's own error is shown as such
+    return "".join(f"; rank {rank}: {message}" for rank, message in sorted(heard.items()))
+
+
 def _all_reduce(
     flags: torch.Tensor, update: int | str, rank: int, error: Exception | None, consequence: str = _NO_STEP
 ) -> None:
     try:
         control_all_reduce(flags)
     except CollectiveFailure as collective_error:  # timeouts and a peer's closed connection; other errors pass
-        timeout = group_timeout()
         raise RankFailureError(
-            f"{_label(update)}: rank {rank} waited for every learner rank and the collective failed (process group "
-            f"timeout {timeout}): a rank died or hung; {consequence} on this rank. Set the strategy's timeout "
-            "(fit: learner.timeout_s) to bound the wait"
+            f"{_label(update)}: rank {rank} waited for every learner rank and the collective failed (control "
+            f"timeout {control_timeout()}): a rank died or hung; {consequence} on this rank{_heard()}. A rank that "
+            "hangs while alive is bounded by fit's learner.control_timeout_s"
         ) from (error or collective_error)
+    watch = current_watch()
+    if watch is not None:
+        watch.agreed()
 
 
 def _raise_if_failed(
@@ -138,7 +166,8 @@ def _raise_if_failed(
     failed = [r for r in range(world_size) if flags[r] > 0]  # negative slots: ranks still ticking (lock-step)
     if failed:
         own = f"; here: {type(error).__name__}: {error}" if error is not None else ""
+        heard = _heard()
         raise RankFailureError(
             f"{_label(update)} failed on learner rank(s) {failed} of {world_size}; {consequence} (parameters unchanged "
-            f"everywhere){own}"
+            f"everywhere){own}{heard}"
         ) from error

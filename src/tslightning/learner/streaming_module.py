@@ -22,7 +22,6 @@ collective, so learner work is queued and served in lock-step ticks across ranks
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -62,6 +61,7 @@ from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spre
 from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import DEFAULT_CHUNK_ROWS, checked_chunk_tokens, scored_logprobs
 
@@ -303,7 +303,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                 within the process group's timeout; no rank steps.
         """
         registry = self._require_registry()
-        barrier_start = time.perf_counter()
+        barrier_start = synchronized_clock(self.layout.parameters[0].device)
         with reported_to_ranks(self.policy_version):  # a local failure is agreed on: no rank waits, none steps
             registry.require_complete()
             self._finish_learner_work(registry.plan)
@@ -317,7 +317,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         coefficient = self.placement.apply_direction(direction, norm, self.max_grad_norm, before_step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.update_timings["barrier_s"] = time.perf_counter() - barrier_start - self.update_timings.get("sync_s", 0.0)
+        now = synchronized_clock(self.layout.parameters[0].device)
+        self.update_timings["barrier_s"] = now - barrier_start - self.update_timings.get("sync_s", 0.0)
         result = UpdateResult(
             policy_version=self.policy_version + 1,
             direction_norm=norm,
@@ -441,11 +442,11 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
 
     def _timed(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` and record its service interval (release trace, App. B)."""
-        start = time.perf_counter()
+        start = synchronized_clock(self.layout.parameters[0].device)
         with pass_context(self):
             work()
         self.placement.after_pass()  # ZeRO-3: release what the pass left gathered
-        end = time.perf_counter()
+        end = synchronized_clock(self.layout.parameters[0].device)
         self.update_timings["learner_service_s"] = self.update_timings.get("learner_service_s", 0.0) + end - start
         self.service_log.extend(ServiceRecord.served(source, start, end) for source in sources)
 

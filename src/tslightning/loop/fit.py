@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from tslightning.callbacks import (
     WeightPublisher,
 )
 from tslightning.core.batch_registry import Objective
+from tslightning.distributed.failure_watch import stop_watch
 from tslightning.distributed.learner_strategy import LearnerSettings, learner_strategy
 from tslightning.distributed.parameter_placement import placement_for
 from tslightning.distributed.rank_failure import agreed_by_ranks
@@ -71,6 +71,7 @@ from tslightning.loop.updates import (
     record_update,
     rollout_outcome,
 )
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.measure.memory_plan import plan_report
 from tslightning.measure.timeline import plot_timeline
 from tslightning.rollout.engine import RolloutEngine
@@ -121,8 +122,8 @@ def fit(
         warm_start: Supervised warm start before RL.
         algorithm: The learning algorithm: advantage estimator, clipping, AdamW, and how the learner computes the
             exact update (group admission cap, context backward, sync micro-batches).
-        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); required on CPU, where Lightning's
-            table has no entry; on GPUs ``None`` reads Lightning's table.
+        available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); ``None`` reads the device's dense peak
+            (:mod:`tslightning.callbacks.peak_flops`); a device no table knows (a CPU) then logs no MFU.
         checkpoint: When and where checkpoints are written.
         resume: An ``update-<k>`` checkpoint directory: restore the model, optimizer, RNG, policy version and callback
             states from it, have the replicas serve the restored θ, and continue at update k + 1 up to ``updates``.
@@ -188,6 +189,7 @@ def fit(
     statistics_device = _statistics_device(fabric, arguments)
     ranks = launched_rank(fabric, learner)
     with contextlib.ExitStack() as started:
+        started.callback(stop_watch)  # last to close: the ranks may leave in any order after it
         started.enter_context(learner_cores(ranks.share(learner.cpus)))
         layout = warm_start_format(harness) if warm_start.steps and not resume and fabric.global_rank == 0 else None
         policy, tokenizer, policy_dir = prepare_policy(
@@ -369,7 +371,7 @@ def _run_updates(
     replay = isinstance(datamodule, RecordedBatches)
     try:
         for update in bar:
-            start = time.perf_counter()
+            start = synchronized_clock(fabric.device)
             if continuous is not None:
                 items = recorded(
                     continuous_items(continuous), batches and batch_file(batches, fabric.global_rank, update)

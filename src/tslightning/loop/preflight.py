@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.loop.batch_replay import replay_problems
+from tslightning.loop.gpu_sharing import gpu_sharing_problems
 from tslightning.loop.learner_shape import planned_memory, policy_config
 from tslightning.loop.resume import missing_checkpoint, resume_problems, unreadable_checkpoint
 from tslightning.loop.run_directory import run_directory_problems
@@ -304,7 +305,8 @@ def memory_problems(
     optimizer_state_dtype: str = "float32",
 ) -> list[str]:
     """A run whose per-rank plan (:mod:`tslightning.measure.memory_plan`) exceeds the learner device's memory
-    (``device_bytes``; ``None``: not a GPU run, nothing to check), naming the settings to change."""
+    (``device_bytes``; ``None``: not a GPU run, nothing to check), or the share vLLM leaves it on a GPU the two
+    share, naming the settings to change."""
     if device_bytes is None:
         return []
     config = policy_config(model)
@@ -312,7 +314,8 @@ def memory_problems(
         config, objective, schedule, model, rollout, learner, cap, sync_micro_batch_size, device_bytes,
         optimizer_state_dtype,
     )  # fmt: skip
-    return planned.problems()
+    plan = planned.plan.device_bytes(planned.checkpointing)
+    return planned.problems() + gpu_sharing_problems(objective, model, rollout, plan, device_bytes)
 
 
 def device_memory(accelerator: str) -> int | None:

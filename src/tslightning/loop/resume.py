@@ -14,7 +14,7 @@ from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, missing_parts
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
-from tslightning.callbacks.weight_publisher import full_weights, publish_to_shared_servers
+from tslightning.callbacks.weight_publisher import publication_weights, publish_to_shared_servers
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
@@ -118,13 +118,12 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
     except CheckpointError as error:  # the resume setting names a damaged checkpoint: one line, as every setting
         raise InvalidSettingsError([str(error)]) from error
     if engine is not None:  # the same on every rank: a replay is the whole run's setting
-        adapter = bool(getattr(engine, "publishes_adapter", False))  # LoRA on vLLM servers: the adapter alone
         shared = fabric.world_size > 1 and bool(getattr(engine, "shared_servers", False))  # rank 0 publishes for all
-        keep = not shared or fabric.global_rank == 0
-        weights = full_weights(module.policy, adapter=adapter, keep=keep)  # every rank: sharded weights are gathered
+        # LoRA on vLLM servers: the adapter alone; else streamed (every rank joins a sharded policy's gathers)
+        weights = publication_weights(module.policy, engine, module.placement, leads=shared and fabric.global_rank == 0)
         if shared:
             publish_to_shared_servers(engine, weights, point.policy_version, fabric.global_rank)
         elif fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
-            engine.publish(weights(), point.policy_version)
+            engine.publish(weights, point.policy_version)
     fabric.barrier()
     return point.next_update

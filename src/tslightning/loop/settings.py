@@ -101,20 +101,22 @@ class VLLMSettings:
     """Longest context vLLM serves; ``None``: ``rollout.max_context_tokens``. Must cover the longest trajectory
     (prompt, every action and every kept observation)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of each of the engine's GPUs vLLM may use (weights, activations, KV cache)."""
+    """Fraction of each of the engine's GPUs vLLM may use (weights, activations, KV cache); on a GPU shared with the
+    learner (``gpus: null``) the rest must hold the learner's plan, else ``fit`` names the largest that fits."""
     tensor_parallel_size: int = 1
     """GPUs per engine (one engine per learner rank)."""
     gpus: list[int] | None = None
     """The node's GPUs for the engines, split evenly among its learner ranks in local-rank order
     (``tensor_parallel_size`` each at least); e.g. learner ranks on GPUs 0-3 and ``gpus: [4, 5, 6, 7]``. ``None``:
-    vLLM's default device (on GPUs every engine then shares the learner's device)."""
+    on a CUDA machine each engine shares its learner rank's GPU, in a process of its own
+    (:mod:`tslightning.loop.gpu_sharing`); on a CPU, vLLM's default."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Serving dtype; ``auto``: the learner's compute dtype (float32 for a float64 learner)."""
     enforce_eager: bool = True
     """Skip torch.compile and CUDA-graph capture (fast start; set false for long GPU runs)."""
     in_process: bool | None = None
-    """Run vLLM's engine core inside the learner's process; ``None``: only with one learner rank and no ``gpus``
-    or ``rollout.cpus`` placement (a learner's process group, or a placement, needs vLLM in its own process)."""
+    """Run vLLM's engine core inside the learner's process; ``None``: only on a CPU machine with one learner rank and
+    no ``gpus`` or ``rollout.cpus`` placement (else vLLM needs its own process, and on a GPU its own CUDA context)."""
 
 
 @dataclass

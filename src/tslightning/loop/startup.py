@@ -10,15 +10,18 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tslightning.distributed.collectives import control_group
+from tslightning.distributed.failure_watch import start_watch
 from tslightning.distributed.rank_failure import agreed_by_ranks
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.learner.precision import compute_norms_in_float64, serving_dtype, weight_dtype
+from tslightning.loop.gpu_sharing import learner_gpu
 from tslightning.loop.rollout_servers import replica_server_args, start_vllm_server
 from tslightning.loop.settings import ModelSettings, RolloutSettings
 from tslightning.loop.task_selection import select_tasks
@@ -159,9 +162,12 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
     from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
     gpus = placement.share(settings.gpus)
+    shared = settings.gpus is None and torch.cuda.is_available()  # vLLM beside the learner, on its GPU
     in_process = settings.in_process
-    if in_process is None:  # a learner's process group, or a placement of vLLM's own, needs vLLM's own process
-        in_process = world_size == 1 and cpus is None and gpus is None
+    if in_process is None:  # a learner's process group, a placement, or a GPU shared with the learner: vLLM's own
+        in_process = world_size == 1 and cpus is None and gpus is None and not shared
+    if shared and not in_process:
+        gpus = [learner_gpu()]  # this rank's GPU, not vLLM's default (the node's first)
     serving = dtype if settings.dtype == "auto" else settings.dtype
     return VLLMRolloutEngine(
         policy_dir,
@@ -202,8 +208,8 @@ def start_teacher(
     rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
     (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
     ``out/policy-0``; with ``rollout.ray.teacher`` it is that checkpoint served by a vLLM server fit launches on Ray
-    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`). An in-process teacher's head holds at most
-    ``chunk_tokens`` rows of logits at a time."""
+    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`). The in-process teacher sits on the learner's
+    device in the serving dtype; its head holds at most ``chunk_tokens`` rows of logits at a time."""
     if rollout.teacher_url is not None:
         return _teacher_server(rollout, out / "policy-0", rollout.teacher_url)
     teacher_dir = Path(model.teacher_path) if model.teacher_path else out / "teacher-0"
@@ -220,7 +226,10 @@ def start_teacher(
         with agreed_by_ranks("set-up: launching the OPD teacher's vLLM server on Ray"):
             return _launched_teacher(rollout, teacher_dir, out / "policy-0", serving_dtype(model.precision))
     with agreed_by_ranks("set-up: loading the OPD teacher"):
-        teacher, _ = load_tiny_model(teacher_dir)
+        # On the learner's device in the serving dtype (bf16 under bf16-mixed): a GPU run scores on its GPU, not on
+        # the host in fp32. A teacher too large to sit beside the learner belongs on a server (rollout.teacher_url).
+        teacher, _ = load_tiny_model(teacher_dir, getattr(torch, serving_dtype(model.precision)))
+        teacher = teacher.to(fabric.device)
         return TeacherScorer(teacher, cpus=placement.share(model.teacher_cpus), chunk_tokens=chunk_tokens)
 
 
@@ -353,8 +362,8 @@ def learner_cores(cpus: list[int] | None) -> Iterator[None]:
 
 def launched_rank(fabric, learner) -> RankPlacement:
     """Checks right after ``fabric.launch()``: one process group of Fabric's world size (an engine or library that
-    started its own group first would make every collective a no-op), the gloo group control messages use, and
-    this rank's cores.
+    started its own group first would make every collective a no-op), then the gloo group control messages use, the
+    failure watch (:mod:`tslightning.distributed.failure_watch`) and this rank's cores.
 
     Raises:
         ValueError: if the process group's world size is not Fabric's.
@@ -366,5 +375,6 @@ def launched_rank(fabric, learner) -> RankPlacement:
             f"{fabric.world_size}; something initialized a process group before fabric.launch() (start rollout "
             "engines after launch, or out of process)"
         )
-    control_group()  # made here, where every rank is, not at a first control message
+    control_group(timedelta(seconds=learner.control_timeout_s))  # made here, where every rank is
+    start_watch(learner.heartbeat_timeout_s)  # failures and deaths heard within seconds; stopped by fit
     return RankPlacement(fabric.local_rank, learner.devices)

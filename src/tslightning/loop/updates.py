@@ -21,6 +21,7 @@ from tslightning.core.sources import BatchClosed
 from tslightning.distributed.collectives import control_all_reduce
 from tslightning.distributed.rank_failure import reported_to_ranks
 from tslightning.learner.update_log import log_update_metrics, write_update_row
+from tslightning.measure.device_clock import synchronized_clock
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 
@@ -168,7 +169,7 @@ def record_update(fabric, module, outcome: RolloutOutcome, result: FitResult, up
     control_all_reduce(totals)  # every rank's share; host numbers go over gloo (NCCL rejects them)
     reward_sum, num_rewards, gap, tokens, known = totals.tolist()
     result.mean_rewards.append(reward_sum / max(num_rewards, 1) if known else math.nan)  # nan: none recorded
-    result.step_seconds.append(time.perf_counter() - start)
+    result.step_seconds.append(synchronized_clock(fabric.device) - start)
     metrics = {"train/mean_reward": result.mean_rewards[-1]} if known else {}
     metrics |= outcome.metrics
     if tokens:  # OPD: mean log π_T − log π_θ of the sampled tokens (−reverse-KL estimate), rises toward 0

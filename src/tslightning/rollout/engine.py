@@ -10,7 +10,7 @@ returns only once each has acknowledged, after clearing policy-dependent caches 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -76,6 +76,62 @@ class PublishReceipt:
     seconds: float
 
 
+@dataclass(frozen=True)
+class TensorMeta:
+    """One published tensor's name (the HF checkpoint name), dtype (as sent: the served dtype) and full shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class WeightStream:
+    """Weights to publish as ``(name, full tensor)`` pairs, produced one at a time each time it is iterated, so no
+    full copy of the model is ever staged; their names, dtypes and shapes are known up front (:meth:`metadata`), so
+    an engine can lay out or announce a transfer before any tensor exists.
+
+    Producing a tensor may be a collective (sharded learners gather each parameter): an engine iterates the stream
+    once per receiver and drops each tensor once it has sent or copied it. Engines also accept a plain state dict
+    (:func:`weight_stream` wraps it).
+
+    Args:
+        metadata: What iteration yields, element for element, in order.
+        produce: A fresh iterator over the pairs, called once per pass.
+    """
+
+    def __init__(self, metadata: Sequence[TensorMeta], produce: Callable[[], Iterator[tuple[str, torch.Tensor]]]):
+        self._metadata = list(metadata)
+        self._produce = produce
+
+    def metadata(self) -> list[TensorMeta]:
+        return list(self._metadata)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._produce()
+
+    def __len__(self) -> int:
+        return len(self._metadata)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """One pass, as a state dict's ``items()`` (for engines written against state dicts)."""
+        return iter(self)
+
+    def names(self) -> list[str]:
+        """The names, in order, without producing a tensor (``dict(stream)`` makes one pass into a state dict)."""
+        return [meta.name for meta in self._metadata]
+
+    @classmethod
+    def of(cls, state_dict: Mapping[str, torch.Tensor]) -> WeightStream:
+        """A stream over an existing state dict (its tensors, never copies)."""
+        metadata = [TensorMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in state_dict.items()]
+        return cls(metadata, lambda: iter(state_dict.items()))
+
+
+def weight_stream(weights: Mapping[str, torch.Tensor] | WeightStream) -> WeightStream:
+    """``weights`` as a :class:`WeightStream` (a state dict is wrapped, not copied)."""
+    return weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
+
+
 class RolloutEngineError(RuntimeError):
     """The engine can no longer serve: a replica died, failed to start, or did not acknowledge a publication.
 
@@ -120,8 +176,9 @@ class RolloutEngine(Protocol):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Blocking convenience: submit all, wait for all, in request order."""
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Install new weights on every replica; returns after every replica acknowledged ``policy_version``."""
+    def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
+        """Install new weights (a state dict, or a :class:`WeightStream` iterated once per receiver) on every
+        replica; returns after every replica acknowledged ``policy_version``."""
 
     def close(self) -> None:
         """Stop replicas and free their resources."""

@@ -47,7 +47,9 @@ from tslightning.rollout.engine import (
     PublishReceipt,
     QueuedEngine,
     RolloutEngineError,
+    WeightStream,
     validate_request,
+    weight_stream,
 )
 from tslightning.rollout.hf_replica import replica_main
 
@@ -92,6 +94,7 @@ class HFRolloutEngine(QueuedEngine):
             )
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         check_cores("HFRolloutEngine", cpus)
+        self._dtype = dtype
         self._shared, self._aliases, self._vocab_size = _stage_initial_weights(model_path, dtype)
         self._policy_version = policy_version
         self._publish_timeout = publish_timeout
@@ -128,8 +131,14 @@ class HFRolloutEngine(QueuedEngine):
             self.close()
             raise RolloutEngineError(failure)
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Install ``state_dict`` (the HF model's names; any device and floating dtype) as ``policy_version``.
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        """The dtype the replicas compute in (publications are cast to it as they stream)."""
+        return self._dtype
+
+    def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
+        """Install ``weights`` (a state dict or a :class:`~tslightning.rollout.engine.WeightStream`, the HF model's
+        names; any device and floating dtype) as ``policy_version``.
 
         Returns after every replica has copied the weights and acknowledged; see the module docstring for when
         requests switch versions.
@@ -141,7 +150,7 @@ class HFRolloutEngine(QueuedEngine):
         with self._publish_lock:
             start = time.perf_counter()
             self._check_next_version(policy_version)
-            self._stage(state_dict)
+            self._stage(weight_stream(weights))
             with self._changed:
                 self._raise_if_unusable()
                 for replica in self._replicas:
@@ -201,13 +210,14 @@ class HFRolloutEngine(QueuedEngine):
         return futures
 
     @torch.no_grad()
-    def _stage(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        missing = [name for name in self._shared if name not in state_dict]
-        unknown = [name for name in state_dict if name not in self._shared and name not in self._aliases]
+    def _stage(self, weights: WeightStream) -> None:
+        shapes = {meta.name: tuple(meta.shape) for meta in weights.metadata()}
+        missing = [name for name in self._shared if name not in shapes]
+        unknown = [name for name in shapes if name not in self._shared and name not in self._aliases]
         mismatched = [
-            f"{name} {tuple(tensor.shape)} (engine {tuple(self._shared[name].shape)})"
-            for name, tensor in state_dict.items()
-            if name in self._shared and tensor.shape != self._shared[name].shape
+            f"{name} {shape} (engine {tuple(self._shared[name].shape)})"
+            for name, shape in shapes.items()
+            if name in self._shared and shape != tuple(self._shared[name].shape)
         ]
         problems = [
             f"{label}: {', '.join(names)}"
@@ -220,8 +230,9 @@ class HFRolloutEngine(QueuedEngine):
                 "model.state_dict() of the served architecture (merge adapters and gather shards first)."
             )
         # Safe to overwrite: the previous publication was acknowledged, so no replica is reading these tensors.
-        for name, target in self._shared.items():
-            target.copy_(state_dict[name].detach())
+        for name, tensor in weights:  # one tensor at a time: a sharded learner gathers each as it comes
+            if name in self._shared:
+                self._shared[name].copy_(tensor.detach())
 
     def _read(self) -> None:
         """Reader thread: route replica messages to futures and acks; turn a replica's exit into errors."""

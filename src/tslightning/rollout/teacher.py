@@ -24,7 +24,8 @@ class TeacherScorer:
     """A frozen HF causal LM that scores action tokens on a worker thread.
 
     Args:
-        teacher: The frozen teacher (same tokenizer as the student: token-level correspondence).
+        teacher: The frozen teacher (same tokenizer as the student: token-level correspondence), on the device it
+            scores on (a GPU's teacher scores on a stream of its own).
         max_batch: Most pending turns scored in one padded forward.
         pad_token_id: Id used for right padding (masked out by the attention mask).
         cpus: Cores the scoring thread runs on (``os.sched_setaffinity`` of that thread only), e.g. the rollout
@@ -84,6 +85,15 @@ class TeacherScorer:
     def _serve(self) -> None:
         if self.cpus is not None:
             place_this_thread(self.cpus)
+        device = next(self.teacher.parameters()).device
+        if device.type == "cuda":  # its own stream: scoring overlaps the learner's kernels instead of queuing behind
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                self._serve_requests()
+        else:
+            self._serve_requests()
+
+    def _serve_requests(self) -> None:
         while True:
             first = self._requests.get()
             if first is None:

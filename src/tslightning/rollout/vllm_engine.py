@@ -7,11 +7,11 @@ the sampled ids with their log-probs under the sampling distribution (``logprobs
 temperature is included) and never re-tokenizes. One dispatcher thread owns the ``LLM``: it drains the pending
 requests and calls ``LLM.generate`` on them as one batch.
 
-Publication runs on the same thread, between batches: :meth:`VLLMRolloutEngine.publish` writes the learner's state
-dict into a shared-memory buffer, the workers reload their weights in place from it
-(:class:`~tslightning.rollout.vllm_worker_extension.WeightPublicationExtension`), the prefix cache is reset and the
-new version stamped. Requests submitted before ``publish`` was called are answered by the old version, those
-submitted after it returned by the new one, as in :mod:`tslightning.rollout.hf_engine`.
+Publication runs on the same thread, between batches: :meth:`VLLMRolloutEngine.publish` writes the weights, one
+tensor at a time as its stream produces them, into a host shared-memory buffer in the serving dtype, the workers
+reload in place from it (:class:`~tslightning.rollout.vllm_worker_extension.WeightPublicationExtension`), the prefix
+cache is reset and the new version stamped. Requests submitted before ``publish`` was called are answered by the old
+version, those submitted after it returned by the new one, as in :mod:`tslightning.rollout.hf_engine`.
 
 vLLM is imported only when an engine is created, so the package imports without it. By default vLLM runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; starts in ~5 s on CPU instead of ~16 s), one such engine per process at
@@ -44,7 +44,9 @@ from tslightning.rollout.engine import (
     PublishReceipt,
     QueuedEngine,
     RolloutEngineError,
+    WeightStream,
     validate_request,
+    weight_stream,
 )
 from tslightning.rollout.vllm_prefill import CPU_IN_PROCESS_STEP_TOKENS, prefill_settings
 from tslightning.rollout.vllm_worker_extension import SharedWeights
@@ -158,8 +160,14 @@ class VLLMRolloutEngine(QueuedEngine):
         self._dispatcher = threading.Thread(target=self._dispatch, name="vllm-rollout-dispatcher", daemon=True)
         self._dispatcher.start()
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Reload every worker's weights in place from ``state_dict`` (HF names), reset the prefix cache, stamp.
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        """The dtype vLLM serves in (publications are cast to it as they stream)."""
+        return self._dtype
+
+    def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
+        """Reload every worker's weights in place from ``weights`` (HF names; a state dict or a ``WeightStream``,
+        written into the buffer one tensor at a time), reset the prefix cache, stamp.
 
         Raises:
             ValueError: If ``policy_version`` does not increase.
@@ -168,12 +176,13 @@ class VLLMRolloutEngine(QueuedEngine):
         with self._publish_lock:
             start = time.perf_counter()
             self._check_next_version(policy_version)
+            stream = weight_stream(weights)
             # No reload is running (publish_lock) and the last one finished: workers are not reading the buffer.
-            if self._weights is None or not self._weights.matches(state_dict):
+            if self._weights is None or not self._weights.matches(stream.metadata()):
                 if self._weights is not None:
                     self._weights.close()
-                self._weights = SharedWeights(state_dict, dtype=self._dtype)
-            self._weights.write(state_dict)
+                self._weights = SharedWeights(stream.metadata(), dtype=self._dtype)
+            self._weights.write(stream)
             done: Future[int] = Future()
             with self._lock:
                 self._raise_if_unusable()
@@ -468,7 +477,8 @@ def _contain_vllm_side_effects() -> Iterator[None]:
     """Undo what vLLM's in-process CPU worker does to the host process: reseeded RNGs, a disabled set_num_threads."""
     set_num_threads, python_state = torch.set_num_threads, random.getstate()
     numpy_state = _numpy_random_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # This process's device only: forking every visible GPU's generator would open a CUDA context on each.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield

@@ -60,7 +60,9 @@ from tslightning.rollout.engine import (
     PublishReceipt,
     QueuedEngine,
     RolloutEngineError,
+    WeightStream,
     validate_request,
+    weight_stream,
 )
 from tslightning.rollout.session_routing import SessionRouter
 from tslightning.rollout.vllm_server_adapter import (
@@ -145,6 +147,7 @@ class VLLMServerEngine(QueuedEngine):
         self._policy_dir, self._timeout_s = Path(policy_dir), timeout_s
         self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
         self._context_tokens = context_tokens
+        self._dtype = getattr(torch, dtype)
         expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
         self._expected, self._transport, self.replicas = expected, transport, replicas
         self._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas is not None else {}
@@ -175,6 +178,11 @@ class VLLMServerEngine(QueuedEngine):
     def publishes_adapter(self) -> bool:
         """Whether :meth:`publish` takes a LoRA adapter's state dict (peft names) instead of full weights."""
         return self.adapter is not None
+
+    @property
+    def serving_dtype(self) -> torch.dtype:
+        """The dtype the servers serve (full-weight publications are cast to it as they stream)."""
+        return self._dtype
 
     @property
     def shared_servers(self) -> bool:
@@ -210,11 +218,13 @@ class VLLMServerEngine(QueuedEngine):
                 self._router.readmit(server)
             self._policy_version, self._model = served.policy_version, served.model
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        """Install ``state_dict`` on every server at ``policy_version``; returns after each acknowledged.
+    def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
+        """Install ``weights`` on every server at ``policy_version``; returns after each acknowledged.
 
-        ``state_dict`` holds the full weights (HF names), or — when :attr:`publishes_adapter` — peft's adapter
-        state dict, written under ``adapter.directory`` and loaded as ``tslightning-policy-v<policy_version>``.
+        ``weights`` holds the full weights (HF names; a state dict, or a
+        :class:`~tslightning.rollout.engine.WeightStream` streamed to each server in turn, one tensor at a time), or —
+        when :attr:`publishes_adapter` — peft's adapter state dict, written under ``adapter.directory`` and loaded as
+        ``tslightning-policy-v<policy_version>``.
 
         Requests already sent finish first (answered by the old version); requests submitted meanwhile wait and are
         sent to the new one.
@@ -231,16 +241,16 @@ class VLLMServerEngine(QueuedEngine):
         """
         if self.sharing == "follower":
             raise RuntimeError("a follower's engine does not publish: global rank 0's does, and this one follows it")
-        return self._publish(state_dict, policy_version, as_adapter=self.adapter is not None)
+        return self._publish(weight_stream(weights), policy_version, as_adapter=self.adapter is not None)
 
-    def _publish(self, state: Mapping[str, torch.Tensor], policy_version: int, as_adapter: bool) -> PublishReceipt:
+    def _publish(self, state: WeightStream, policy_version: int, as_adapter: bool) -> PublishReceipt:
         start = time.perf_counter()
         with self._gate:
             self._check_next_version(policy_version)
             self._publishing = True
             self._gate.wait_for(lambda: not any(self._router.in_flight))
         try:
-            path = write_adapter(self.adapter, state, policy_version) if as_adapter else None
+            path = write_adapter(self.adapter, dict(state), policy_version) if as_adapter else None
             previous = self._policy_version if self._model is not None else None
             joining = self._join_restarted()
             acknowledged = [
@@ -270,7 +280,7 @@ class VLLMServerEngine(QueuedEngine):
     def _publish_to(
         self,
         server: int,
-        state: Mapping[str, torch.Tensor],
+        state: WeightStream,
         policy_version: int,
         adapter_path: Path | None,
         previous: int | None,
@@ -361,7 +371,7 @@ class VLLMServerEngine(QueuedEngine):
         if not state:
             raise ValueError(f"{self._policy_dir} holds no *.safetensors weights to publish as θ_0")
         try:
-            self._publish(state, policy_version, as_adapter=False)  # a LoRA run's base weights, too
+            self._publish(WeightStream.of(state), policy_version, as_adapter=False)  # a LoRA run's base weights, too
         except RolloutEngineError as error:
             raise ValueError(
                 f"rollout.server_urls: publishing θ_0 from {self._policy_dir} failed — a server serves another "

@@ -33,28 +33,31 @@ from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+from tslightning.rollout.engine import WeightStream, weight_stream
+
 __all__ = ["PublishedWeights", "ServerTransport", "VersionedSyncClient", "free_port", "local_address_towards"]
 
 Transport = Literal["gloo", "nccl"]
 
 
 class PublishedWeights(WeightSource):
-    """vLLM's ``WeightSource`` over the state dict being published (HF names): :meth:`set` it, then send.
+    """vLLM's ``WeightSource`` over the weights being published (HF names): :meth:`set` them, then send.
 
-    It lists and yields the tensors it is given, never a copy; :meth:`set` ``{}`` after the round drops them.
+    It lists the stream's metadata and yields its tensors as the stream produces them (one at a time, never a copy);
+    :meth:`set` ``{}`` after the round drops the stream.
     """
 
     def __init__(self) -> None:
-        self.state: Mapping[str, torch.Tensor] = {}
+        self.state: WeightStream = WeightStream.of({})
 
-    def set(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.state = state
+    def set(self, state: Mapping[str, torch.Tensor] | WeightStream) -> None:
+        self.state = weight_stream(state)
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.state.items()]
+        return [ParamMeta(meta.name, meta.dtype, tuple(meta.shape)) for meta in self.state.metadata()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.state.items()
+        yield from self.state
 
 
 class VersionedSyncClient:
@@ -116,7 +119,7 @@ class ServerTransport:
         self.weights = PublishedWeights()
         self.engine = _trainer_engine(self.transport, self.client, self.weights, self.address, self.world_size)
 
-    def publish(self, state: Mapping[str, torch.Tensor], version: int) -> float:
+    def publish(self, state: Mapping[str, torch.Tensor] | WeightStream, version: int) -> float:
         """Pause (drain) → transfer → finish with ``version`` → check the server's version → resume; returns seconds.
 
         Raises:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,17 +66,19 @@ class SharedWeights:
     """A shared-memory staging buffer that the learner fills and every worker on the node reads.
 
     Args:
-        state_dict: Names, shapes and dtypes to lay out (values are not copied; call :meth:`write`).
+        tensors: Each tensor's ``name``, ``dtype`` and ``shape`` to lay out, in order — a
+            :meth:`~tslightning.rollout.engine.WeightStream.metadata` list, or a state dict's tensors (values are not
+            copied; call :meth:`write`).
         dtype: Dtype to store floating-point tensors in (the serving dtype, so workers copy without converting);
             ``None`` keeps each tensor's own dtype.
     """
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+    def __init__(self, tensors: Sequence[Any] | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
         entries, offset = [], 0
-        for name, tensor in state_dict.items():
-            stored = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            entries.append((name, str(stored).removeprefix("torch."), tuple(tensor.shape), offset))
-            nbytes = tensor.numel() * torch.empty((), dtype=stored).element_size()
+        for name, held, shape in _described(tensors):
+            stored = dtype if dtype is not None and held.is_floating_point else held
+            entries.append((name, str(stored).removeprefix("torch."), shape, offset))
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=stored).element_size()
             offset += -(-nbytes // _ALIGNMENT) * _ALIGNMENT
         fd, path = tempfile.mkstemp(prefix="tslightning-weights-", dir=_shared_memory_dir())
         try:
@@ -87,16 +89,17 @@ class SharedWeights:
         self._buffer = torch.from_file(path, shared=True, size=self.layout.nbytes, dtype=torch.uint8)
         self._views = _views(self._buffer, self.layout)
 
-    def matches(self, state_dict: Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``state_dict`` has exactly this buffer's names and shapes (so it can be written here)."""
-        return list(state_dict) == list(self._views) and all(
-            tuple(tensor.shape) == tuple(self._views[name].shape) for name, tensor in state_dict.items()
-        )
+    def matches(self, tensors: Sequence[Any] | Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` (as for the constructor) have exactly this buffer's names and shapes, in order."""
+        described = [(name, shape) for name, _, shape in _described(tensors)]
+        return described == [(name, tuple(view.shape)) for name, view in self._views.items()]
 
     @torch.no_grad()
-    def write(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy ``state_dict`` (any device, any floating dtype) into the buffer."""
-        for name, tensor in state_dict.items():
+    def write(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Copy each ``(name, tensor)`` (any device, any floating dtype; a state dict's items) into the buffer as it
+        comes, so a stream never holds more than one of them."""
+        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        for name, tensor in pairs:
             self._views[name].copy_(tensor.detach())
 
     def close(self) -> None:
@@ -107,6 +110,13 @@ class SharedWeights:
             os.unlink(self.layout.path)
         except FileNotFoundError:
             pass
+
+
+def _described(tensors: Sequence[Any] | Mapping[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of a state dict's tensors or of ``name``/``dtype``/``shape`` records."""
+    if isinstance(tensors, Mapping):
+        return [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+    return [(meta.name, meta.dtype, tuple(meta.shape)) for meta in tensors]
 
 
 def iter_shared_weights(layout: WeightLayout) -> Iterator[tuple[str, torch.Tensor]]:
