@@ -59,7 +59,9 @@ def grpo_direction(model, batch, estimator: str = "grpo") -> torch.Tensor:
         members = sorted((s for s in sources if s.group_id == group_id), key=lambda s: s.trajectory_index)
         advantages = _advantages([s.reward for s in members], estimator)
         for s, a in zip(members, advantages, strict=True):
-            score = _logprobs(model, s.token_ids, s.scored_mask).sum() / (num_prompts * int(s.scored_mask.sum()))
+            sequences = [(s.token_ids, s.scored_mask), *getattr(s, "segments", ())]  # Eq. 4 over every sequence
+            scored = sum(int(mask.sum()) for _, mask in sequences)
+            score = sum(_logprobs(model, ids, mask).sum() for ids, mask in sequences) / (num_prompts * scored)
             h = _flat(torch.autograd.grad(score, params, allow_unused=True), params)
             direction += (a / len(members)) * h.double()
     return direction
@@ -79,3 +81,20 @@ def opd_direction(model, batch) -> torch.Tensor:
         direction += _flat(g_j, params).double()
         tokens += logp.numel()
     return direction / tokens
+
+
+def with_rewritten_histories(batch, vocab_size: int, generator: torch.Generator, every: int = 2):
+    """``batch`` with every ``every``-th trajectory given a second causal sequence, as an agent harness that rewrote
+    its history leaves it: a new context (random ids) whose last tokens were sampled under it."""
+    import dataclasses
+
+    items = []
+    for position, item in enumerate(batch.items):
+        if type(item).__name__ == "TrajectorySource" and position % every == 0:
+            length = int(torch.randint(8, 20, (1,), generator=generator))
+            ids = torch.randint(0, vocab_size, (length,), generator=generator)
+            mask = torch.zeros(length, dtype=torch.bool)
+            mask[length // 2 :] = True
+            item = dataclasses.replace(item, segments=((ids, mask),))
+        items.append(item)
+    return dataclasses.replace(batch, items=tuple(items))

@@ -33,8 +33,7 @@ def _shards(world_size: int) -> StatisticsShards:
 def test_admission_follows_plan_order_and_the_global_closes():
     plan = BatchPlan(Objective.GRPO, 0, {"a": 2, "b": 2, "c": 2}, trajectories={g: (0,) for g in "abc"})
     served = []
-    folded = []
-    spread = SpreadGroups(plan, 1, lambda sources, work: (served.extend(sources), work()), folded.append)
+    spread = SpreadGroups(plan, 1, served.append)
     spread.offer(_source("b", 0))
     spread.offer(_source("c", 0))
     assert served == [] and spread.num_waiting == 2  # only "a", the first open group, is admitted
@@ -45,13 +44,12 @@ def test_admission_follows_plan_order_and_the_global_closes():
     assert _keys(served) == [("a", 0), ("b", 0)] and spread.num_waiting == 1
     spread.closed("b")
     assert _keys(served)[-1] == ("c", 0) and spread.num_waiting == 0
-    assert folded == served  # each served source's work folds that source
 
 
 def test_without_a_cap_every_source_is_served_at_once():
     plan = BatchPlan(Objective.GRPO, 0, {"a": 2, "b": 2}, trajectories={"a": (1,), "b": (0,)})
     served = []
-    spread = SpreadGroups(plan, None, lambda sources, work: served.extend(sources), print)
+    spread = SpreadGroups(plan, None, served.append)
     spread.offer(_source("b", 0))
     spread.offer(_source("a", 1))
     assert [s.group_id for s in served] == ["b", "a"]
@@ -61,14 +59,14 @@ def test_spread_groups_is_chosen_by_the_plan_and_refuses_what_it_cannot_count():
     whole = BatchPlan(Objective.GRPO, 0, {"a": 2})
     split = BatchPlan(Objective.GRPO, 0, {"a": 2}, global_num_prompts=2, trajectories={"a": (0,)})
     shards = _shards(2)
-    assert spread_groups(whole, shards, 1, print, print) is None and shards.on_close is None
-    assert spread_groups(split, _shards(1), 1, print, print) is None  # one rank holds every trajectory
-    spread = spread_groups(split, shards, None, print, print)
+    assert spread_groups(whole, shards, 1, print) is None and shards.on_close is None
+    assert spread_groups(split, _shards(1), 1, print) is None  # one rank holds every trajectory
+    spread = spread_groups(split, shards, None, print)
     assert isinstance(spread, SpreadGroups) and shards.on_close == spread.closed
     with pytest.raises(SourceError, match=r"this rank holds 1 of 2 \(use samples_per_prompt >= learner ranks\)"):
-        spread_groups(split, shards, 1, print, print)
+        spread_groups(split, shards, 1, print)
     with pytest.raises(SourceError, match="needs learner.shard_statistics"):
-        spread_groups(split, None, None, print, print)
+        spread_groups(split, None, None, print)
 
 
 def test_a_split_group_gets_the_advantages_of_all_its_rewards():

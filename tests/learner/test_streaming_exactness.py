@@ -194,3 +194,22 @@ def test_activation_checkpointing_streams_the_same_update_float64(make_policy, v
     streamed = run_update(checkpointed, batch.reordered(torch.Generator().manual_seed(8)), "thundersync")
     sync = run_update(make_policy(), batch, "sync")
     assert rel_err(streamed, sync) <= FLOAT64_TOLERANCE
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_trajectory_of_several_sequences_streams_exactly_float64(make_policy, vocab_size, seed):
+    """A harness that rewrote its history leaves a GRPO trajectory of several causal sequences (one score summed over
+    them, Eq. 4): one pass per sequence, counted once; equal to the sync learner and the reference."""
+    from reference import with_rewritten_histories
+
+    shape = WorkloadShape(num_groups=3, group_size=3, max_turns=2)
+    generator = torch.Generator().manual_seed(seed)
+    batch = with_rewritten_histories(synthetic_grpo_batch(vocab_size, 0, generator, shape), vocab_size, generator)
+    assert any(getattr(item, "segments", ()) for item in batch.items)
+    reference = grpo_direction(make_policy(), batch)
+    sync = run_update(make_policy(), batch, "sync")
+    streamed = run_update(make_policy(), batch.reordered(torch.Generator().manual_seed(seed + 7)), "thundersync")
+    queued = run_update(make_policy(), batch, "thundersync", fold_queue_depth=2, group_admission_cap=1)
+    assert reference.any()
+    for direction in (sync, streamed, queued):
+        assert rel_err(direction, reference) <= FLOAT64_TOLERANCE

@@ -18,6 +18,9 @@ class Contribution:
     group_id: str | None
     group_size: int = 0
     reward: float = 0.0
+    completes: bool = True
+    """Whether this pass completes its source (the last of its sequences): only then is the source counted in its
+    group (a trajectory of several sequences folds one pass per sequence, with the same reward)."""
 
     @property
     def into_batch(self) -> bool:

@@ -97,6 +97,11 @@ class TrajectorySource:
             Python float it holds.
         policy_version: Version k of the policy θ_k that sampled the trajectory.
         prompt_length: Tokens ``[0, prompt_length)`` are the group's shared prompt (never scored).
+        segments: Further causal sequences of the same trajectory, each ``(token_ids, scored_mask)``: where an agent
+            harness rewrote its history, the turns after the rewrite were sampled under another context than
+            ``token_ids``, and each is scored under its own (empty: one sequence, the built-in loop's). The source's
+            score sums over every sequence, S_i = Σ_s Σ_{t∈M_{i,s}} log π(a_t | h_{i,s,t}), and L_i counts every
+            sequence's scored tokens (Eq. 4 with w = 1/(P·L_i)).
     """
 
     group_id: str
@@ -106,6 +111,7 @@ class TrajectorySource:
     reward: float
     policy_version: int
     prompt_length: int
+    segments: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def __post_init__(self) -> None:
         _check_tokens("TrajectorySource", self.token_ids, self.scored_mask)
@@ -130,11 +136,25 @@ class TrajectorySource:
             )
         if bool(self.scored_mask[: self.prompt_length].any()):
             raise SourceError("TrajectorySource.scored_mask marks prompt tokens; only sampled action tokens are scored")
+        if not isinstance(self.segments, tuple) or not all(isinstance(s, tuple) and len(s) == 2 for s in self.segments):
+            raise SourceError("TrajectorySource.segments must be a tuple of (token_ids, scored_mask) pairs")
+        for index, (ids, mask) in enumerate(self.segments):
+            _check_tokens(f"TrajectorySource.segments[{index}]", ids, mask)
+
+    @property
+    def sequences(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every causal sequence of the trajectory, ``(token_ids, scored_mask)``: the first, then :attr:`segments`."""
+        return [(self.token_ids, self.scored_mask), *self.segments]
 
     @property
     def num_scored(self) -> int:
-        """L_i, the number of scored action tokens."""
-        return int(self.scored_mask.sum())
+        """L_i, the number of scored action tokens (over every sequence)."""
+        return sum(int(mask.sum()) for _, mask in self.sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of every sequence (what the learner's passes run)."""
+        return sum(ids.numel() for ids, _ in self.sequences)
 
 
 @dataclass(frozen=True)

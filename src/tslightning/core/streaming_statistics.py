@@ -64,8 +64,8 @@ class StreamingStatistics:
         return self.groups.source_terms(contribution.group_id, contribution.group_size, contribution.reward)
 
     def record(self, contribution: Contribution) -> None:
-        """Count a folded source of a GRPO group (after all its units' terms were folded)."""
-        if contribution.group_id is not None:
+        """Count a folded source of a GRPO group (after all its units' terms were folded, and its last pass)."""
+        if contribution.group_id is not None and contribution.completes:
             self.groups.record_source(contribution.group_id, contribution.reward)
 
     @property

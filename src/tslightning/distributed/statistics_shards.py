@@ -160,7 +160,7 @@ class StatisticsShards:
     def end_pass(self, contributions: Sequence[Contribution | None]) -> None:
         """Count every folded source in its group; close the groups whose m-th source this pass folded."""
         for c in contributions:
-            if c is None or c.group_id is None:
+            if c is None or c.group_id is None or not c.completes:
                 continue
             self.statistics.record(c)
             if self.groups.is_complete(c.group_id):

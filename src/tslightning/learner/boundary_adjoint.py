@@ -243,8 +243,15 @@ class SharedPromptBackward:
         """Check that ``source`` extends its group's prompt; the first trajectory of a group defines it.
 
         Raises:
-            SourceError: if its first ``prompt_length − 1`` tokens differ from the group's, or it scores one of them.
+            SourceError: if its first ``prompt_length − 1`` tokens differ from the group's, it scores one of them, or
+                it has several sequences (an agent harness rewrote its history: only the group's prompt is shared).
         """
+        if source.segments:
+            raise SourceError(
+                f"TrajectorySource ({source.group_id!r}, {source.trajectory_index}) has {len(source.segments) + 1} "
+                "sequences (its harness rewrote its history); the boundary context backward shares one prompt per "
+                "group: use context_backward='recompute'"
+            )
         prefix = self._prefixes.get(source.group_id)
         if prefix is None:
             self._prefixes[source.group_id] = source.token_ids[: source.prompt_length - 1].clone()

@@ -27,19 +27,15 @@ from tslightning.distributed.collectives import control_all_gather
 from tslightning.distributed.lockstep import LockstepTicks
 from tslightning.distributed.statistics_shards import StatisticsShards
 
-Serve = Callable[[list[TrajectorySource], Callable[[], None]], None]
-"""Queues learner work for its sources (the module's lock-step ``_serve``)."""
+Start = Callable[[TrajectorySource], None]
+"""Queues an admitted source's learner work (the module's ``_serve_trajectory``: a pass per sequence)."""
 
 
 def spread_groups(
-    plan: BatchPlan,
-    shards: StatisticsShards | None,
-    cap: int | None,
-    serve: Serve,
-    fold: Callable[[TrajectorySource], None],
+    plan: BatchPlan, shards: StatisticsShards | None, cap: int | None, start: Start
 ) -> SpreadGroups | None:
     """The batch's :class:`SpreadGroups` when ``plan`` splits GRPO groups over ranks (``None`` otherwise); an
-    admitted source is ``serve``'d with its ``fold`` (one pass: its gradient, staged for the exchange).
+    admitted source's work is queued with ``start``.
 
     Raises:
         SourceError: for a split GRPO group without sharded statistics, or a global cap that some rank could not
@@ -61,7 +57,7 @@ def spread_groups(
             f"group_admission_cap counts spread groups globally, so every rank must hold a part of every group; this "
             f"rank holds {len(plan.group_sizes)} of {plan.num_prompts} (use samples_per_prompt >= learner ranks)"
         )
-    spread = SpreadGroups(plan, cap, serve, fold)
+    spread = SpreadGroups(plan, cap, start)
     shards.on_close = spread.closed
     return spread
 
@@ -72,16 +68,13 @@ class SpreadGroups:
     Args:
         plan: This rank's plan (its trajectories of each group; group order is the global plan order).
         cap: Admission cap k, counted over all ranks (``None``: no cap).
-        serve, fold: An admitted source's work is ``serve([source], lambda: fold(source))``.
+        start: Queues an admitted source's work.
     """
 
-    def __init__(
-        self, plan: BatchPlan, cap: int | None, serve: Serve, fold: Callable[[TrajectorySource], None]
-    ) -> None:
+    def __init__(self, plan: BatchPlan, cap: int | None, start: Start) -> None:
         self.plan = plan
         self.cap = cap
-        self._serve = serve
-        self._fold = fold
+        self._start = start
         self._open_order = list(plan.group_sizes)  # groups not yet closed, in plan order
         self._waiting: dict[str, list[TrajectorySource]] = {}
 
@@ -105,9 +98,6 @@ class SpreadGroups:
         for g in [g for g in self._waiting if self.admitted(g)]:
             for source in self._waiting.pop(g):
                 self._start(source)
-
-    def _start(self, source: TrajectorySource) -> None:
-        self._serve([source], lambda: self._fold(source))
 
     @property
     def num_waiting(self) -> int:

@@ -58,7 +58,13 @@ from tslightning.learner.group_admission import GroupAdmission
 from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
-from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
+from tslightning.learner.sync_direction import (
+    batch_objective,
+    micro_batches,
+    sequence_rows,
+    source_key,
+    trajectory_coefficients,
+)
 from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.measure.device_clock import synchronized_clock
@@ -221,7 +227,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             )
         check_plan(plan, self.objective, self.advantage)
         self._bind_placement()  # checks the parameters are placed as the placement says, before anything opens
-        self.spread = spread_groups(plan, self.shards, self.admission.cap, self._serve, self._fold_trajectory)
+        self.spread = spread_groups(plan, self.shards, self.admission.cap, self._serve_trajectory)
         self.lockstep = self._lockstep_ticks()
         self.statistics.reset()  # (re)places the statistics: the policy may have moved to its device since
         self._registry = BatchRegistry(plan)
@@ -280,7 +286,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
                     self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
                 work.extend(self.admission.release(admitted.group_id))
             else:
-                self._serve([admitted], lambda source=admitted: self._fold_trajectory(source))
+                self._serve_trajectory(admitted)
 
     def barrier(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None] | None = None) -> UpdateResult:
         """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}.
@@ -349,16 +355,26 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             self._reductions = self.spread.reductions(self.shards)
 
     # ----------------------------------------------------------------- per-source learner work (thundersync)
-    def _fold_trajectory(self, source: TrajectorySource) -> None:
-        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1), folded unit by unit into its group's G1/G2
-        (Eq. 7) as the backward produces it."""
+    def _serve_trajectory(self, source: TrajectorySource) -> None:
+        """Queue a trajectory's learner work: one pass per causal sequence (one for the built-in loop's sources), the
+        last of which counts the source in its group."""
+        last = len(source.segments)
+        for index in range(last + 1):
+            work = lambda index=index: self._fold_trajectory(source, index)  # noqa: E731
+            self._serve([source] if index == last else [], work)
+
+    def _fold_trajectory(self, source: TrajectorySource, sequence: int = 0) -> None:
+        """H_i = ∇ S_i at θ_k with w = 1/(P·L_i) (Eq. 4, App. D.1) — of one of its sequences, whose gradients add up
+        to H_i — folded unit by unit into its group's G1/G2 (Eq. 7) as the backward produces it."""
         plan = self._registry.plan
-        contribution = Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward)
+        completes = sequence == len(source.segments)
+        contribution = Contribution(source.group_id, plan.group_sizes[source.group_id], source.reward, completes)
         weight = 1.0 / (plan.num_prompts * source.num_scored)
         if self.shared_prompts is not None:  # the continuation's part; the prompt's follows at group close
             self.shared_prompts.source_gradient(source, weight, contribution)
             return
-        logp = scored_logprobs(self.policy, source.token_ids, source.scored_mask, self.logprob_chunk_tokens)
+        token_ids, scored_mask = source.sequences[sequence]
+        logp = scored_logprobs(self.policy, token_ids, scored_mask, chunk_tokens=self.logprob_chunk_tokens)
         self._backward([logp.sum() * weight], contribution)
 
     def _fold_prompt(self, reduction: GroupReduction) -> None:
@@ -405,7 +421,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             coefficients, self._reductions = trajectory_coefficients(
                 sources, plan, self.advantage, self.advantage_epsilon, rewards
             )
-        for chunk, weights in micro_batches(sources, coefficients, self.sync_micro_batch_size):
+        rows, coefficients = sequence_rows(sources, coefficients)
+        for chunk, weights in micro_batches(rows, coefficients, self.sync_micro_batch_size):
             self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
 
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:

@@ -4,6 +4,8 @@ advantages (Eq. 6) and one padded objective per micro-batch, summed — the base
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tslightning.core.batch_registry import BatchPlan, Objective
@@ -56,6 +58,22 @@ def trajectory_coefficients(
         scale = 0.0 if uniform else advantage_scale(rewards, estimator, epsilon)
         reductions.append(GroupReduction(group_id, tuple(rewards), group_mean(rewards), scale, uniform))
     return [weights[(s.group_id, s.trajectory_index)] for s in sources], reductions
+
+
+def sequence_rows(sources: list[Source], coefficients: list[float]) -> tuple[list[Source], list[float]]:
+    """One padded row per causal sequence: a trajectory of several (a harness rewrote its history) becomes one row
+    per sequence, each with the trajectory's coefficient (its score sums over them, Eq. 4)."""
+    rows, weights = [], []
+    for source, coefficient in zip(sources, coefficients, strict=True):
+        if not (isinstance(source, TrajectorySource) and source.segments):
+            rows.append(source)
+            weights.append(coefficient)
+            continue
+        for index, (ids, mask) in enumerate(source.sequences):
+            prompt = source.prompt_length if index == 0 else 1
+            rows.append(replace(source, token_ids=ids, scored_mask=mask, prompt_length=prompt, segments=()))
+            weights.append(coefficient)
+    return rows, weights
 
 
 def micro_batches(

@@ -80,7 +80,7 @@ class ServiceRecord:
             source.trajectory_index,
             turn,
             source.policy_version,
-            source.token_ids.numel(),
+            source.num_tokens if isinstance(source, TrajectorySource) else source.token_ids.numel(),
             source.num_scored,
             start,
             end,

@@ -184,9 +184,10 @@ def vocabulary_size(policy: torch.nn.Module) -> int:
 
 
 def check_token_range(policy: torch.nn.Module, source: Source) -> None:
-    """Refuse a source whose token ids lie outside the policy's vocabulary."""
+    """Refuse a source whose token ids (any of its sequences) lie outside the policy's vocabulary."""
     vocab = vocabulary_size(policy)
-    top = int(source.token_ids.max())
+    sequences = source.sequences if isinstance(source, TrajectorySource) else [(source.token_ids, None)]
+    top = max(int(ids.max()) for ids, _ in sequences)
     if top >= vocab:
         raise SourceError(
             f"{type(source).__name__}.token_ids holds id {top} but the policy's vocabulary has {vocab} entries; "

@@ -306,7 +306,7 @@ def _start_rollout(
             started.callback(teacher.close)
         agent = None
         if harness.enabled:
-            agent = start_harness(harness, engine, tokenizer, rollout, policy.config, seed, objective, out)
+            agent = start_harness(harness, engine, tokenizer, rollout, policy.config, seed, out)
             started.callback(agent.close)
     datamodule = rollout_datamodule(
         rollout, engine, tokenizer, tasks, objective, teacher, seed, placement, policy.config, updates, agent

@@ -23,11 +23,12 @@ def warm_start_format(harness: HarnessSettings):
 
 
 def start_harness(
-    harness: HarnessSettings, engine, tokenizer, rollout: RolloutSettings, policy_config, seed: int, objective: str, out
+    harness: HarnessSettings, engine, tokenizer, rollout: RolloutSettings, policy_config, seed: int, out
 ) -> HarnessAgent:
     """This rank's gateway in front of ``engine`` (started, on ``harness.host``, at a port the OS picks unless
-    ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. GRPO refuses
-    a rewritten history, OPD cuts it into segments (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
+    ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. A rewritten
+    history is cut into segments, each scored under its own context, unless ``harness.allow_segments`` is false
+    (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
     gateway = OpenAIGateway(
         engine,
         tokenizer,
@@ -36,7 +37,7 @@ def start_harness(
         model_name=harness.model_name,
         host=harness.host,
         port=harness.port,
-        allow_segments=objective == "opd",
+        allow_segments=harness.allow_segments,
         max_concurrent_commands=rollout.max_concurrent_attempts,
     ).start()
     if harness.name == "mini_swe_agent":

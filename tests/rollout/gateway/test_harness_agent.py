@@ -27,7 +27,7 @@ LIMITS = AgentLimits(max_turns=4, max_tokens_per_turn=32, max_tokens_per_traject
                      max_context_tokens=600)  # fmt: skip
 
 
-def _agent(tokenizer, program: HarnessProgram, log_dir=None, allow_segments=False, reply="ls -l"):
+def _agent(tokenizer, program: HarnessProgram, log_dir=None, allow_segments=True, reply="ls -l"):
     engine = CharacterEngine(tokenizer, lambda request: reply)
     gateway = OpenAIGateway(engine, tokenizer, LIMITS, run_seed=3, allow_segments=allow_segments).start()
     return HarnessAgent(gateway, program, log_dir), engine
@@ -88,9 +88,27 @@ def test_a_harness_command_runs_in_the_tasks_sandbox_and_its_verifier_rewards_th
     assert trajectory.reward == verdict.reward > 0 and verdict.passed_fraction == 1.0
 
 
-def test_a_rewriting_harness_ends_its_grpo_attempt_at_the_rewrite(tokenizer):
+def test_a_rewriting_harness_gives_a_grpo_source_of_one_sequence_per_segment(tokenizer):
     program = HarnessProgram(SCRIPTED, environment={"SCRIPTED_REWRITE": "1"}, timeout_s=120)
-    agent, _ = _agent(tokenizer, program)
+    agent, engine = _agent(tokenizer, program)
+    try:
+        trajectory = asyncio.run(agent.run("t", "Do it.", RecordingAttempt(), "g", 0, 0))
+    finally:
+        agent.close()
+    trajectory.reward = 1.0
+    source = trajectory.trajectory_source()
+    assert trajectory.segment_starts == [0, 1] and len(source.segments) == 1
+    sampled = character_ids(tokenizer, "ls -l") + [tokenizer.eos_token_id]
+    for (ids, mask), request in zip(source.sequences, engine.requests, strict=True):
+        # each sequence is the prompt the server saw for its segment, then the ids it sampled there
+        assert ids[: len(request.prompt_token_ids)].tolist() == list(request.prompt_token_ids)
+        assert ids[mask].tolist() == sampled
+    assert source.num_scored == 2 * len(sampled) and source.prompt_length == len(engine.requests[0].prompt_token_ids)
+
+
+def test_a_gateway_that_takes_one_segment_ends_the_attempt_at_the_rewrite(tokenizer):
+    program = HarnessProgram(SCRIPTED, environment={"SCRIPTED_REWRITE": "1"}, timeout_s=120)
+    agent, _ = _agent(tokenizer, program, allow_segments=False)
     try:
         trajectory = asyncio.run(agent.run("t", "Do it.", RecordingAttempt(), "g", 0, 0))
     finally:

@@ -163,7 +163,7 @@ def test_a_call_during_a_publication_waits_for_its_version_and_carries_it(tokeni
         assert refused.value.code == "attempt_stale"
 
 
-def test_grpo_refuses_a_rewritten_history_and_opd_cuts_a_segment(tokenizer):
+def test_a_rewritten_history_opens_a_segment_unless_the_gateway_takes_one(tokenizer):
     engine = CharacterEngine(tokenizer, lambda request: "ls")
     rewritten = [SYSTEM, {"role": "user", "content": "Summary: listed. Now count."}]
     for allow_segments in (False, True):
@@ -185,7 +185,10 @@ def test_grpo_refuses_a_rewritten_history_and_opd_cuts_a_segment(tokenizer):
             assert trajectory.token_ids(through_turn=1).tolist() == list(prompt) + sampled
             assert trajectory.scored_mask(only_turn=1).sum() == len(sampled)
             with pytest.raises(ValueError, match="2 segments"):
-                trajectory.trajectory_source()
+                trajectory.token_ids()  # as one sequence it exists only with one segment
+            trajectory.reward = 0.5
+            source = trajectory.trajectory_source()  # GRPO: a sequence per segment, scored under its own context
+            assert source.segments[0][0].tolist() == list(prompt) + sampled and source.num_scored == 2 * len(sampled)
 
 
 def test_a_port_in_use_is_refused_at_start_and_leaves_no_thread(served, tokenizer):

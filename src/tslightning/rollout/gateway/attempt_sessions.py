@@ -17,9 +17,8 @@ is closed or unknown, is refused with an OpenAI-format error (:mod:`~tslightning
 the attempt's end reason records why the harness stopped.
 
 **Segments.** A call that does not continue its segment (:mod:`~tslightning.rollout.gateway.conversation`) opens a
-new one where segments are allowed (OPD, whose sources are turns), and is refused under GRPO
-(``history_rewritten``), whose source is one causal sequence per trajectory
-(:mod:`~tslightning.rollout.gateway.harness_trajectory` explains why).
+new one (:mod:`~tslightning.rollout.gateway.harness_trajectory` says how each segment is scored, under GRPO and OPD);
+a gateway made with ``allow_segments=False`` refuses it instead (``history_rewritten``) and the attempt ends there.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class AttemptSession:
         key: The secret that names the attempt in its harness's calls.
         policy_version: The version θ_k every call of the attempt is sampled at.
         attempt: Where the harness's commands run (its live sandbox); ``None``: the harness runs none.
-        allow_segments: A rewritten history opens a segment (OPD); ``False``: it is refused (GRPO).
+        allow_segments: A rewritten history opens a segment; ``False``: it is refused and the attempt ends.
         end_reason: Why the attempt ended, once a limit refused a call (else ``running``).
         failure: An engine failure while serving a call: the rollout must fail, nothing of it is trained.
     """
@@ -66,7 +65,7 @@ class AttemptSession:
     limits: AgentLimits
     run_seed: int
     attempt: TaskAttempt | None = None
-    allow_segments: bool = False
+    allow_segments: bool = True
     listener: TurnListener | None = None
     log: AttemptLog = field(default_factory=AttemptLog)
     closed: bool = False
@@ -91,7 +90,7 @@ class AttemptSession:
                 "history_rewritten",
                 "history_rewritten",
                 f"this call rewrites the attempt's history (it leaves the earlier conversation at position "
-                f"{continuation.divergence}); under GRPO a trajectory is one causal sequence, so the attempt ends here",
+                f"{continuation.divergence}); this gateway takes one segment per attempt, so the attempt ends here",
             )
         self._check_context(continuation)
         self.pending = continuation

@@ -34,6 +34,9 @@ class HarnessSettings:
     """The model id harnesses name in their calls."""
     timeout_s: float = 1800.0
     """Wall-clock seconds one attempt's harness process may run before it is ended (its process group)."""
+    allow_segments: bool = True
+    """A call whose history does not extend its attempt's (the harness summarised, dropped or edited messages) opens
+    a segment scored under its own context; ``False``: it is refused (``history_rewritten``) and the attempt ends."""
     log_dir: str | None = None
     """Per-attempt logs (calls, commands in the sandbox, refusals, the harness's output); ``None``:
     ``<out_dir>/attempts``."""
@@ -89,5 +92,5 @@ class HarnessSettings:
 
     def _harness_only(self) -> list[str]:
         defaults = HarnessSettings()
-        keys = ("command", "python", "configs")
+        keys = ("command", "python", "configs", "allow_segments")
         return [key for key in keys if getattr(self, key) != getattr(defaults, key)]

@@ -8,17 +8,13 @@ segment, whose prompt is that call's whole prompt.
 
 **How segments are scored.** A sampled token's log-probability is only meaningful under the context the server
 sampled it in, so each segment is scored as its own causal sequence: its first prompt, then its turns' sampled ids
-and observations. An OPD source is one turn under its realized history (Eq. 8), which is its own segment's prefix:
-segmented trajectories train exactly, turn by turn (:meth:`HarnessTrajectory.token_ids`). A GRPO source is one
-trajectory (Eq. 4): S_i = Σ_s Σ_{t∈M_{i,s}} log π(a_t | h_{i,s,t}) / (P·L_i) with L_i counting every segment's
-scored tokens, folded once with r_i — one score over several causal sequences, which the learner's
-:class:`~tslightning.core.sources.TrajectorySource` (one sequence) cannot carry. So under GRPO the gateway refuses
-the call that would start a second segment (the attempt ends there, nothing of it was sampled) and every GRPO
-trajectory is one segment: every sampled token is scored under the context it was sampled in, and the verifier's
-reward r_i judges the environment those sampled actions alone left — the exact update of the paper's objective over
-everything sampled, never a stand-in context for it
-(see :class:`~tslightning.rollout.gateway.attempt_sessions.AttemptSession`). Folding several segments into one GRPO
-source needs the learner to take a source of several causal sequences (each scored, summed, divided by P·L_i once).
+and observations (:meth:`HarnessTrajectory.segment_sequence`). An OPD source is one turn under its realized history
+(Eq. 8), which is its own segment's prefix: segmented trajectories train exactly, turn by turn
+(:meth:`HarnessTrajectory.token_ids`). A GRPO source is one trajectory (Eq. 4): its first segment is the source's
+sequence and every later one is one of its :attr:`~tslightning.core.sources.TrajectorySource.segments`, so
+S_i = Σ_s Σ_{t∈M_{i,s}} log π(a_t | h_{i,s,t}) / (P·L_i) with L_i counting every segment's scored tokens, folded with
+r_i once (the learner runs one pass per segment and counts the source at its last) — the exact update of the paper's
+objective over everything sampled, each token under the context it was sampled in, never a stand-in context.
 """
 
 from __future__ import annotations
@@ -112,10 +108,29 @@ class HarnessTrajectory(AgentTrajectory):
                 pieces.append(torch.zeros(len(turn.observation_token_ids), dtype=torch.bool))
         return torch.cat(pieces)
 
+    def segment_sequence(self, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ``segment`` as a causal sequence and its scored mask: its first prompt (unscored), then each of its
+        turns' sampled ids (scored) and observation (unscored)."""
+        start = self.segment_starts[segment]
+        end = self.segment_starts[segment + 1] if segment + 1 < self.segments else len(self.turns)
+        ids, mask = list(self.segment_prompts[segment]), [False] * len(self.segment_prompts[segment])
+        for turn in self.turns[start:end]:
+            ids += [*turn.action_token_ids, *turn.observation_token_ids]
+            mask += [True] * len(turn.action_token_ids) + [False] * len(turn.observation_token_ids)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
     def trajectory_source(self) -> TrajectorySource:
-        """The GRPO source (Eq. 4) of a one-segment trajectory, ready once :attr:`reward` is set."""
-        self._require_one_segment()
-        return super().trajectory_source()
+        """The GRPO source (Eq. 4), ready once :attr:`reward` is set: its first segment, then every later one as one
+        of its ``segments`` (see the module docstring)."""
+        if self.segments <= 1:
+            return super().trajectory_source()
+        if self.reward is None:
+            raise ValueError(f"trajectory ({self.group_id!r}, {self.trajectory_index}) has no reward yet")
+        (ids, mask), *later = (self.segment_sequence(s) for s in range(self.segments))
+        prompt = len(self.segment_prompts[0])
+        return TrajectorySource(
+            self.group_id, self.trajectory_index, ids, mask, self.reward, self.policy_version, prompt, tuple(later)
+        )
 
     def _segment_of(self, turn: int) -> int:
         if not 0 <= turn < len(self.turns):

@@ -71,7 +71,8 @@ class OpenAIGateway:
         model_name: The model id harnesses name (``/v1/models`` lists it; a call naming another is refused).
         host: Where to listen; loopback by default (harnesses run on this host).
         port: The port; 0 lets the OS pick a free one (:attr:`url` tells which).
-        allow_segments: A rewritten history opens a segment (OPD); otherwise the call is refused (GRPO).
+        allow_segments: A rewritten history opens a segment (scored under its own context; the default); ``False``:
+            the call is refused and the attempt ends.
         max_concurrent_commands: Sandbox commands running at once, over all attempts.
         version_wait_s: Longest a call waits for its policy version to be published.
     """
@@ -86,7 +87,7 @@ class OpenAIGateway:
         model_name: str = "tslightning-policy",
         host: str = "127.0.0.1",
         port: int = 0,
-        allow_segments: bool = False,
+        allow_segments: bool = True,
         max_concurrent_commands: int = 16,
         version_wait_s: float = 3600.0,
     ) -> None:
