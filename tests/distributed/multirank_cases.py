@@ -17,7 +17,8 @@ exits mid-stream: rank 0 must raise RankFailureError within the process group's 
 ``publish-every-rank`` (each rank publishes θ_{k+1} to its own engine; rank 1's fails at version 2);
 ``publish-shared`` (the ranks' engines share servers: rank 0's publishes, rank 1's follows; rank 0's fails at 3);
 ``publish-sharded`` (sharded parameters, shared servers: rank 0 streams θ to two servers in bfloat16, one gathered
-tensor at a time, while rank 1 joins each gather).
+tensor at a time, while rank 1 joins each gather), ``publish-sharded-lora`` (the same with LoRA adapters merged from
+gathered factors).
 """
 
 from __future__ import annotations
@@ -285,9 +286,10 @@ class _TwoServerEngine:
         self.policy_version = served.policy_version
 
 
-def sharded_publishing_case(fabric, dtype: torch.dtype) -> dict:
+def sharded_publishing_case(fabric, dtype: torch.dtype, lora: bool = False) -> dict:
     """Publication of a sharded policy to shared servers: what rank 0's two servers received, and every parameter
-    gathered independently (``gathered_parameters`` / ``full_tensor``) on every rank."""
+    gathered independently (``gathered_parameters`` / ``full_tensor``) on every rank; with ``lora``, a peft policy
+    whose servers get W + (α/r)·B·A under the base model's names (:func:`merged_reference`)."""
     from types import SimpleNamespace
 
     from torch.distributed.tensor import DTensor
@@ -295,7 +297,7 @@ def sharded_publishing_case(fabric, dtype: torch.dtype) -> dict:
     from tslightning.callbacks import WeightPublisher
     from tslightning.core.sources import BatchClosed
 
-    module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", accumulator_dtype=dtype)
+    module = StreamingPolicyModule(make_policy(dtype, lora=lora), "grpo", "thundersync", accumulator_dtype=dtype)
     _set_up(fabric, module)
     engine = _TwoServerEngine(fabric.global_rank)
     host = SimpleNamespace(policy=module.policy, policy_version=1, update_timings={})
@@ -306,7 +308,27 @@ def sharded_publishing_case(fabric, dtype: torch.dtype) -> dict:
             for name, p in module.policy.named_parameters()
         }
     names = list(module.policy.state_dict().keys())
+    if lora:
+        adapters = module.policy.peft_config["default"]
+        expected = merged_reference(expected, adapters.lora_alpha / adapters.r)
+        base = module.policy.get_base_model().state_dict()
+        names = [name.replace(".base_layer.", ".") for name in base if ".lora_" not in name]
     return {"passes": engine.passes, "expected": expected, "names": names, "version": engine.policy_version}
+
+
+def merged_reference(full: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """The merged weights a LoRA policy's servers serve, from its gathered parameters ``full``: each adapted
+    ``base_layer.weight`` plus scaling·B·A, under the base model's names, adapters left out."""
+    merged = {}
+    for name, tensor in full.items():
+        if ".lora_" in name:
+            continue
+        layer, base, parameter = name.rpartition(".base_layer.")
+        if base and parameter == "weight":
+            a, b = full[f"{layer}.lora_A.default.weight"], full[f"{layer}.lora_B.default.weight"]
+            tensor = tensor + (b @ a) * scaling
+        merged[name.replace(".base_layer.", ".").removeprefix("base_model.model.")] = tensor
+    return merged
 
 
 def _set_up(fabric, module: StreamingPolicyModule):
@@ -367,8 +389,8 @@ def main(out: str, strategy: str, *cases: str) -> None:
                 record = publishing_case(fabric)
             elif case == "publish-shared":
                 record = shared_publishing_case(fabric)
-            elif case == "publish-sharded":
-                record = sharded_publishing_case(fabric, DTYPES[strategy])
+            elif case.startswith("publish-sharded"):
+                record = sharded_publishing_case(fabric, DTYPES[strategy], lora=case.endswith("-lora"))
             else:
                 record = run_case(case, fabric, DTYPES[name])
         except Exception:

@@ -7,12 +7,12 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from tslightning.callbacks.published_weights import full_tensors
+from tslightning.callbacks.published_weights import PublishedWeights
 
 
 class ParameterDump(L.Callback):
-    """Saves ``pl_module.policy``'s state dict on every rank when training ends, sharded parameters (FSDP2, ZeRO-3)
-    gathered whole (a collective: every rank runs it).
+    """Saves ``pl_module.policy``'s full weights as a replica serves them on every rank when training ends: sharded
+    parameters (FSDP2, ZeRO-3) gathered whole (a collective: every rank runs it), LoRA adapters merged.
 
     Args:
         path: Directory of the ``theta-rank<r>.pt`` files.
@@ -22,7 +22,7 @@ class ParameterDump(L.Callback):
         self.path = Path(path)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        tensors = full_tensors(pl_module.policy, pl_module.placement)
-        state = {name: tensor.detach().cpu().clone() for name, tensor in tensors}
+        weights = PublishedWeights(pl_module.policy, pl_module.placement)  # what a replica serves: LoRA merged
+        state = {name: tensor.detach().cpu().clone() for name, tensor in weights}
         self.path.mkdir(parents=True, exist_ok=True)
         torch.save(state, self.path / f"theta-rank{trainer.global_rank}.pt")

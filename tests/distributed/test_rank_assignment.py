@@ -120,7 +120,7 @@ def test_plan_trajectories_are_validated_and_foreign_turns_rejected(vocab_size, 
     split = BatchPlan(Objective.GRPO, 0, {"g": 2}, trajectories={"g": (0,)})  # spread groups (sharded statistics)
     assert split.trajectory_indices("g") == frozenset({0}) and split.num_trajectories == 1
     with pytest.raises(SourceError, match="GRPO groups over ranks, which needs learner.shard_statistics"):
-        spread_groups(split, None, None, print, print)  # the learner refuses it without sharded statistics
+        spread_groups(split, None, None, print)  # the learner refuses it without sharded statistics
     with pytest.raises(SourceError, match="distinct indices"):
         BatchPlan(Objective.OPD, 0, {"g": 2}, trajectories={"g": (0, 2)})
     batch = synthetic_opd_batch(vocab_size, 0, torch.Generator().manual_seed(3), teacher64, SHAPE)

@@ -1,6 +1,6 @@
 """Sharded GPU-clock checkpoints on 2 gloo ranks (SPEC §4): a run killed after update 1 and resumed in a new process
-ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, DeepSpeed ZeRO-3 in float32; FSDP2's
-checkpoint also resumes on 1 rank (resharded), DeepSpeed's only on the process count that wrote it.
+ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, DeepSpeed ZeRO-2 and ZeRO-3 in
+float32; FSDP2's checkpoint also resumes on 1 rank (resharded), DeepSpeed's only on the process count that wrote it.
 
 Each strategy launches ``resume_cases.py`` twice (Fabric re-runs the command line for rank 1): the uninterrupted run,
 which checkpoints every update, then a new process that restores its ``update-1`` (what a run killed between updates
@@ -29,6 +29,7 @@ from tslightning.loop.resume import unreadable_checkpoint
 SHARDS = {
     "fsdp": ["__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"],
     "deepspeed_stage_3": [f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)] + ["latest"],
+    "deepspeed_stage_2": [f"checkpoint/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)] + ["latest"],
 }
 """What every rank (and the coordinator) wrote into ``state.pt``: one shard per rank."""
 
@@ -54,7 +55,7 @@ def _ranks(out: Path, strategy: str, phase: str, ranks: int = 2) -> list[dict]:
     return records
 
 
-@pytest.fixture(scope="module", params=["fsdp", "deepspeed_stage_3"])
+@pytest.fixture(scope="module", params=["fsdp", "deepspeed_stage_3", "deepspeed_stage_2"])
 def runs(request, tmp_path_factory):
     """The uninterrupted run and the resumed one of a strategy: ``(out, strategy)``."""
     if request.param.startswith("deepspeed"):

@@ -49,7 +49,7 @@ def test_fit_on_a_server_streams_at_lag_zero_and_equals_the_sync_replay(vllm_ser
 SHARED_UPDATES = 2
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp"])  # replicated ranks' shared publication: multirank's publish-shared
 def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_update(vllm_server, tmp_path, strategy):
     """``--learner.devices 2`` (gloo) on one server: each rank samples its share there, θ_0 and each θ_{k+1} are
     published once (the server's log counts the pauses and transfers; under FSDP2 both ranks gather, rank 0 sends),

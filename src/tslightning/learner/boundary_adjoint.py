@@ -248,9 +248,8 @@ class SharedPromptBackward:
         """
         if source.segments:
             raise SourceError(
-                f"TrajectorySource ({source.group_id!r}, {source.trajectory_index}) has {len(source.segments) + 1} "
-                "sequences (its harness rewrote its history); the boundary context backward shares one prompt per "
-                "group: use context_backward='recompute'"
+                f"TrajectorySource ({source.group_id!r}, {source.trajectory_index}) has several sequences (its harness "
+                "rewrote its history); context_backward='boundary' shares one prompt per group: use 'recompute'"
             )
         prefix = self._prefixes.get(source.group_id)
         if prefix is None:

@@ -58,13 +58,7 @@ from tslightning.learner.group_admission import GroupAdmission
 from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
 from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
-from tslightning.learner.sync_direction import (
-    batch_objective,
-    micro_batches,
-    sequence_rows,
-    source_key,
-    trajectory_coefficients,
-)
+from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
 from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.measure.device_clock import synchronized_clock
@@ -104,11 +98,10 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         shard_statistics: Under FSDP2: a rank holds its shard of the statistics (:attr:`last_direction` too;
             ``shards.gather`` collects it), :mod:`tslightning.distributed.statistics_shards`. Shorthand for
             ``placement=ShardedStatisticsPlacement()``.
-        fold_queue_depth: Fold gradient units into the statistics on a background thread, at most this many pending
-            (:mod:`tslightning.core.folding_queue`); 0 folds on the learner thread.
-        placement: Where parameters, gradients and statistics live
-            (:mod:`tslightning.distributed.parameter_placement`); ``None``: the placement of the Fabric strategy that
-            sets the module up, chosen at the first batch.
+        fold_queue_depth: Gradient units pending for the background fold (:mod:`tslightning.core.folding_queue`); 0
+            folds on the learner thread.
+        placement: Where parameters, gradients and statistics live (:mod:`tslightning.distributed.parameter_placement`);
+            ``None``: that of the strategy that sets the module up, chosen at the first batch.
         logprob_chunk_tokens: Most rows of logits a pass's output head holds at a time; no pass builds T×V logits
             (:mod:`tslightning.objectives.chunked_head`).
     """
@@ -421,8 +414,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             coefficients, self._reductions = trajectory_coefficients(
                 sources, plan, self.advantage, self.advantage_epsilon, rewards
             )
-        rows, coefficients = sequence_rows(sources, coefficients)
-        for chunk, weights in micro_batches(rows, coefficients, self.sync_micro_batch_size):
+        for chunk, weights in micro_batches(sources, coefficients, self.sync_micro_batch_size):
             self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
 
     def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:

@@ -79,9 +79,10 @@ def sequence_rows(sources: list[Source], coefficients: list[float]) -> tuple[lis
 def micro_batches(
     sources: list[Source], coefficients: list[float], size: int
 ) -> list[tuple[list[Source], list[float]]]:
-    """``sources`` with their coefficients in padded micro-batches of ``size``, longest first: each micro-batch then
-    holds sequences of similar length, so the baseline wastes little compute on padding (verl's sequence balancing
-    does the same)."""
+    """``sources`` with their coefficients in padded micro-batches of ``size``, one row per causal sequence
+    (:func:`sequence_rows`), longest first: each micro-batch then holds sequences of similar length, so the baseline
+    wastes little compute on padding (verl's sequence balancing does the same)."""
+    sources, coefficients = sequence_rows(sources, coefficients)
     by_length = sorted(range(len(sources)), key=lambda i: (-sources[i].token_ids.numel(), i))
     sources, coefficients = [sources[i] for i in by_length], [coefficients[i] for i in by_length]
     return [(sources[i : i + size], coefficients[i : i + size]) for i in range(0, len(sources), size)]

@@ -87,7 +87,7 @@ def test_fit_trains_mini_swe_agent_at_lag_zero_equal_to_the_sync_replay(vllm_ser
     assert len(sources) == 16 and all(s["policy_version"] == s["update"] for s in sources)  # lag 0, every source
 
     policy, tokenizer = load_tiny_model(out / "policy-0")
-    commands, differs = 0, 0
+    commands, differs, segmented = 0, 0, 0
     for update in range(2):
         for item in load_batches(out / "batches", update)[0]:
             if not isinstance(item, TrajectorySource):
@@ -96,7 +96,9 @@ def test_fit_trains_mini_swe_agent_at_lag_zero_equal_to_the_sync_replay(vllm_ser
             calls = [json.loads(line) for line in (logs / "calls.jsonl").read_text().splitlines()]
             assert {call["policy_version"] for call in calls} == {update}  # every turn of update k carries k
             sampled = [t for call in calls for t in call["sampled_ids"]]
-            assert item.token_ids[item.scored_mask].tolist() == sampled  # trained on exactly the server's ids
+            scored = [t for ids, mask in item.sequences for t in ids[mask].tolist()]  # every segment's, in order
+            assert scored == sampled  # trained on exactly the server's ids
+            segmented += bool(item.segments)  # mini-swe-agent drops an unparsable reply: its history is rewritten
             for call in calls:
                 text = tokenizer.decode(call["sampled_ids"], skip_special_tokens=False)
                 differs += tokenizer.encode(text, add_special_tokens=False) != call["sampled_ids"]
@@ -104,7 +106,8 @@ def test_fit_trains_mini_swe_agent_at_lag_zero_equal_to_the_sync_replay(vllm_ser
                 commands += len((logs / "commands.jsonl").read_text().splitlines())
     assert differs > 0  # re-tokenizing the replies would not have given the sampled ids
     assert commands > 0  # mini-swe-agent's commands ran in the attempts' sandboxes (their logs)
-    print(f"{commands} commands in the sandbox; {differs} replies whose text re-tokenizes to other ids")
+    print(f"{commands} commands in the sandbox; {differs} replies whose text re-tokenizes to other ids; "
+          f"{segmented} trajectories of several segments")  # fmt: skip
 
     fitted = torch.load(out / "theta-rank0.pt", weights_only=True)
     assert_float32_run_is_sync(fitted, out, 2, config_path=CONFIG)
