@@ -222,7 +222,7 @@ def test_fit_with_sharded_parameters_on_two_ranks_trains_and_publishes(tmp_path,
     out = tmp_path / "run"
     run_fit(
         out, "--learner.devices", "2", "--learner.strategy", strategy, "--checkpoint.enabled", "false",
-        "--updates", "2", "--warm_start.steps", "600",
+        "--updates", "2", "--warm_start.steps", "150",
     )  # fmt: skip
     rewards = json.loads((out / "rewards.json").read_text())
     assert len(rewards["mean_rewards"]) == 2

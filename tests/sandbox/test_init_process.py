@@ -28,6 +28,7 @@ for _ in range({children}):
         block[::4096] = b"x" * len(block[::4096])  # touch every page: resident, not just reserved
         time.sleep(30)
         os._exit(0)
+    time.sleep(0.2)  # the tree grows child by child: the memory watch samples it, under load too
 time.sleep(30)
 """
 
