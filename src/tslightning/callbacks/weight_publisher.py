@@ -25,7 +25,7 @@ import torch
 from tslightning.callbacks.published_weights import PublishedWeights, merged_lora_tensors, step_completion
 from tslightning.callbacks.update_callback import Publication, UpdateCallback, module_name
 from tslightning.distributed.collectives import control_all_reduce, control_broadcast
-from tslightning.distributed.parameter_placement import ParameterPlacement, placement_of_strategy
+from tslightning.distributed.parameter_placement import ParameterPlacement, placement_of
 from tslightning.learner.update_log import log_update_metrics
 from tslightning.measure.device_clock import synchronized_clock
 from tslightning.rollout.engine import PublishReceipt, RolloutEngine, RolloutEngineError, WeightStream
@@ -123,7 +123,7 @@ class WeightPublisher(UpdateCallback):
         """Stream θ_{k+1} (FSDP2 / ZeRO-3: each tensor a collective of every rank) to the engine(s) at ``version``."""
         shared = self.every_rank and bool(getattr(self.engine, "shared_servers", False))
         leads = (shared or not self.every_rank) and trainer.global_rank == 0  # rank 0 publishes for every rank
-        placement = getattr(pl_module, "placement", None) or placement_of_strategy(trainer.strategy)
+        placement = placement_of(pl_module, trainer.strategy)
         weights = publication_weights(self._policy_of(pl_module), self.engine, placement, leads)
         if shared:
             publish_to_shared_servers(self.engine, weights, version, trainer.global_rank, self.timeout_s)

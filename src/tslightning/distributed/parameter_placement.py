@@ -359,6 +359,13 @@ def placement_of_strategy(strategy: Any) -> ParameterPlacement:
     return ParameterPlacement()
 
 
+def placement_of(module: Any, strategy: Any) -> ParameterPlacement:
+    """``module``'s placement (a :class:`~tslightning.learner.streaming_module.StreamingPolicyModule`'s, once chosen),
+    else the one ``strategy`` implies: for callers outside the module, such as publication or a resume before the
+    first batch."""
+    return getattr(module, "placement", None) or placement_of_strategy(strategy)
+
+
 def _sent(contribution: Contribution | None, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
     """What this rank sends of a unit: its gradient (zeros where absent), or nothing for an idle pass."""
     return None if contribution is None else grads

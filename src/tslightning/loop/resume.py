@@ -16,7 +16,7 @@ from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, Checkp
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
 from tslightning.callbacks.weight_publisher import publication_weights, publish_to_shared_servers
 from tslightning.distributed.learner_strategy import LearnerSettings
-from tslightning.distributed.parameter_placement import placement_of_strategy
+from tslightning.distributed.parameter_placement import placement_of
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
 
 
@@ -121,7 +121,7 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
     if engine is not None:  # the same on every rank: a replay is the whole run's setting
         shared = fabric.world_size > 1 and bool(getattr(engine, "shared_servers", False))  # rank 0 publishes for all
         # LoRA on vLLM servers: the adapter alone; else streamed (every rank joins a sharded policy's gathers)
-        placement = module.placement or placement_of_strategy(fabric.strategy)  # not bound before its first batch
+        placement = placement_of(module, fabric.strategy)  # not bound before its first batch
         weights = publication_weights(module.policy, engine, placement, leads=shared and fabric.global_rank == 0)
         if shared:
             publish_to_shared_servers(engine, weights, point.policy_version, fabric.global_rank)
