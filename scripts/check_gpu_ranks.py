@@ -58,25 +58,26 @@ def _standin() -> str:
 def _collective_checks(rank: int, world: int, device: torch.device) -> dict[str, bool]:
     from tslightning.distributed.collectives import (
         all_reduce_sum,
-        all_to_all_rows,
         control_all_gather,
         control_all_reduce,
         control_broadcast,
+        send_receive,
     )
     from tslightning.distributed.rank_failure import agree_to_step, exchange_status
 
     total = world * (world + 1) / 2
     on_device = all_reduce_sum(torch.full((4096,), rank + 1.0, device=device), device)
     host = all_reduce_sum(torch.full((8,), rank + 1.0), device)  # host statistics reduced on the device
-    rows = torch.arange(world * 4, dtype=torch.float32, device=device).view(world, 4) + 100 * rank
-    received = all_to_all_rows(rows, [True] * world, 4, torch.float32, device)
-    expected_rows = torch.stack([torch.arange(4, dtype=torch.float32) + 4 * rank + 100 * j for j in range(world)])
+    row = torch.arange(4, dtype=torch.float32, device=device) + 100 * rank  # one ring step: to rank + 1
+    received = send_receive(row, (rank + 1) % world, (rank - 1) % world, 4, torch.float32, device)
+    expected_row = torch.arange(4, dtype=torch.float32) + 100 * ((rank - 1) % world)
     agree_to_step(0)
     return {
         "control all-reduce of a host flag": float(control_all_reduce(torch.tensor([rank + 1.0]))[0]) == total,
         "data all-reduce on the device": bool((on_device == total).all()) and on_device.device == device,
         "host statistics reduced on the device, copied back": bool((host == total).all()) and host.device.type == "cpu",
-        "all-to-all of gradient rows on the device": torch.equal(received.cpu(), expected_rows),
+        "ring step of gradient rows on the device": torch.equal(received.cpu(), expected_row)
+        and received.device == device,
         "control all-gather of objects": control_all_gather(rank) == list(range(world)),
         "control broadcast of an object": control_broadcast("from rank 0" if rank == 0 else None) == "from rank 0",
         "lock-step status exchange": exchange_status(0, rank + 1) == list(range(1, world + 1)),

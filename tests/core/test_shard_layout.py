@@ -79,3 +79,25 @@ def test_group_statistics_folded_as_shards_equal_the_whole_statistics():
     gathered = ShardLayout(layout, 3, 0).unshard(torch.stack([a.batch for a in ranks]))
     assert torch.allclose(gathered, whole.batch, rtol=1e-13, atol=1e-15)
     assert ranks[0].peak_held_numel == 5 * ranks[0].layout.numel  # two open groups: (2·2 + 1) shards
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_a_unit_row_is_that_rank_s_part_of_the_unit_in_its_shard_layout(world_size):
+    """What one ring step sends: rank r's chunks of the unit's parameters, padded as in r's shard, absent ones zero."""
+    layout = _layout()
+    grads = _grads(layout, 3)
+    unit = [1, 2, 3]
+    given = {1: grads[1], 3: grads[3]}  # parameter 2 got no gradient this pass
+    rows = ShardLayout(layout, world_size, 0).scatter(
+        [g if i in given else torch.zeros_like(g) for i, g in enumerate(grads)], torch.float64, torch.device("cpu")
+    )
+    for rank in range(world_size):
+        shards = ShardLayout(layout, world_size, rank)
+        row = shards.unit_row(unit, given, rank, torch.float32, torch.device("cpu"))
+        assert row.dtype == torch.float32 and row.numel() == shards.unit_numel(unit)
+        folded = shards.zeros(torch.float64)
+        for view, values, alpha in shards.unit_pieces(folded, unit, row.double(), 1.0):
+            view.add_(values, alpha=alpha)
+        start, end = shards._offsets[1], shards._offsets[4]
+        assert torch.equal(folded[start:end], rows[rank, start:end].float().double())
+        assert float(folded[:start].abs().sum()) == 0 and float(folded[end:].abs().sum()) == 0

@@ -136,23 +136,26 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
 
 def failing_case(case: str, fabric, dtype: torch.dtype) -> dict:
     """Rank 1 fails in the middle of its share of update 0 (raises, or exits when ``case`` is ``die-ingest``; under
-    ``fail-pass-sharded``, with sharded statistics, its pass raises in the middle of its backward, after exchanging a
-    unit)."""
+    ``fail-pass-sharded``, with sharded statistics, its pass raises in the middle of its backward, folding a unit's
+    first ring step)."""
     module = StreamingPolicyModule(make_policy(dtype), "grpo", "thundersync", shard_statistics="sharded" in case)
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module)
     share = split_replay_batch(make_batches("grpo", torch.float64)[0], fabric.world_size)[1][fabric.global_rank]
     items = list(share.stream())
     if case == "fail-pass-sharded" and fabric.global_rank == 1:
-        fold, folded = module.shards.fold_received, []
+        exchange, fold, exchanged = module.shards.exchange_unit, module.shards.fold_received, []
 
-        def fold_then_fail(contributions, unit, received) -> None:
-            fold(contributions, unit, received)
-            folded.append(unit)
-            if len(folded) == len(module.layout.units) + 2:  # mid-backward of the second pass, a unit exchanged
+        def counted(*args, **kwargs) -> None:
+            exchanged.append(args[1])
+            exchange(*args, **kwargs)
+
+        def fold_then_fail(contribution, unit, row) -> None:
+            if len(exchanged) == len(module.layout.units) + 2:  # second pass, second unit, mid-ring
                 raise RuntimeError("injected failure in a pass")
+            fold(contribution, unit, row)
 
-        module.shards.fold_received = fold_then_fail
+        module.shards.exchange_unit, module.shards.fold_received = counted, fold_then_fail
     start = time.perf_counter()
     try:
         with reported_to_ranks(0):

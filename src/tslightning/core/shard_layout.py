@@ -4,9 +4,10 @@ FSDP2 (``fully_shard``) shards every parameter along dim 0 into ``world_size`` c
 ``c = ceil(rows / world_size)`` rows each, the last ones shorter or empty, every chunk padded to ``c`` rows in its
 flat buffer. A :class:`ShardLayout` keeps statistics the same way: rank r's shard of a flat statistic is, parameter
 after parameter, the ``c_p`` rows of chunk r of parameter p (zero rows where the chunk is short). Every rank's shard
-has the same length :attr:`ShardLayout.numel`, so a source gradient laid out rank-major (:meth:`ShardLayout.scatter`)
-splits into equal parts, one per rank (``all_to_all_single``), and a rank's shard of the batch accumulator is exactly
-its parameters' local DTensor shards (:meth:`ShardLayout.local_views`): no all-reduce at the barrier.
+has the same length :attr:`ShardLayout.numel`, so a gradient unit's part for any rank
+(:meth:`ShardLayout.unit_row`) has the same length on every rank (one step of the ring exchange sends one), and a
+rank's shard of the batch accumulator is exactly its parameters' local DTensor shards
+(:meth:`ShardLayout.local_views`): no all-reduce at the barrier.
 """
 
 from __future__ import annotations
@@ -91,25 +92,24 @@ class ShardLayout:
         return out
 
     def unit_numel(self, unit: Sequence[int]) -> int:
-        """Values of one rank's part of a unit (its parameters' padded chunks): one row of :meth:`scatter_unit`."""
+        """Values of one rank's part of a unit (its parameters' padded chunks): the length of a :meth:`unit_row`."""
         return sum(self._chunk_rows[i] * self._row_numel[i] for i in unit)
 
-    def scatter_unit(
-        self, unit: Sequence[int], grads: dict[int, torch.Tensor], dtype: torch.dtype, device: torch.device
+    def unit_row(
+        self, unit: Sequence[int], grads: dict[int, torch.Tensor], rank: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """One unit's gradients (``{parameter index: full-shape gradient}``; absent ones are zero) as a
-        ``(world_size, unit_numel)`` tensor on ``device``: row r holds rank r's chunks, parameter after parameter."""
-        out = torch.zeros(self.world_size, self.unit_numel(unit), dtype=dtype, device=device)
+        """Rank ``rank``'s part of one unit's gradients (``{parameter index: full-shape gradient}``; absent ones are
+        zero) as a ``(unit_numel,)`` tensor on ``device``: its chunk of each parameter, parameter after parameter,
+        padding zero."""
+        out = torch.zeros(self.unit_numel(unit), dtype=dtype, device=device)
         start = 0
         for index in unit:
             chunk, row_numel = self._chunk_rows[index], self._row_numel[index]
             grad = grads.get(index)
             if grad is not None:
-                flat = grad.detach().reshape(-1)
-                for rank in range(self.world_size):
-                    length = self.local_rows(index, rank) * row_numel
-                    begin = rank * chunk * row_numel
-                    out[rank, start : start + length].copy_(flat[begin : begin + length])
+                length = self.local_rows(index, rank) * row_numel
+                begin = rank * chunk * row_numel
+                out[start : start + length].copy_(grad.detach().reshape(-1)[begin : begin + length])
             start += chunk * row_numel
         return out
 
@@ -117,7 +117,7 @@ class ShardLayout:
         self, shard: torch.Tensor, unit: Sequence[int], row: torch.Tensor, alpha: float
     ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         """Fold pieces (:mod:`~tslightning.core.unit_folding`) adding ``alpha · row`` — this rank's part of ``unit``,
-        a row of :meth:`scatter_unit` — into ``shard``: one ``(view of shard, segment of row, alpha)`` per
+        a :meth:`unit_row` — into ``shard``: one ``(view of shard, segment of row, alpha)`` per
         parameter."""
         pieces, start = [], 0
         for index in unit:

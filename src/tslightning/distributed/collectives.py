@@ -141,30 +141,34 @@ def control_broadcast(value: object, src: int = 0) -> object:
     return holder[0]
 
 
-def all_to_all_rows(
-    rows: torch.Tensor | None, senders: list[bool], n: int, dtype: torch.dtype, device: torch.device | str
-) -> torch.Tensor:
-    """Send row j of ``rows`` (``(world_size, n)``, or ``None`` when this rank sends nothing) to rank j; returns the
-    rows the sending ranks sent here, ``(sum(senders), n)`` in rank order.
+def send_receive(
+    row: torch.Tensor | None, to: int, source: int | None, n: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor | None:
+    """One step of a ring exchange, taken by every rank together: send ``row`` (``(n,)``; ``None``: nothing) to rank
+    ``to`` and receive ``n`` values from rank ``source`` (``None``: nothing); returns what arrived.
 
-    Every rank passes the same ``senders`` (which ranks send rows); a rank that sends nothing sends no bytes.
-    Exchanged on ``device`` (the learner's) over the group that serves it, like :func:`all_reduce_sum`; the result
-    lives there too. Identity on one process.
+    An ``all_to_all_single`` whose splits are zero but for those two ranks, so every rank's call matches every
+    other's (NCCL needs a step's sends and receives issued as one group, which it is) and a rank buffers one row,
+    not a row for every peer. Exchanged on ``device`` (the learner's) over the group that serves it, like
+    :func:`all_reduce_sum`. On one process the row is its own arrival.
 
     Raises:
         CollectiveFailure: if a rank died, hung or hung up.
     """
-    world_size = len(senders)
     device = torch.device(device)
     if not distributed():
-        return rows.to(device) if rows is not None else torch.empty(0, n, dtype=dtype, device=device)
+        return None if source is None or row is None else row.to(device)
     group = control_group() if device.type == "cpu" else None
-    send = rows.to(device).contiguous() if rows is not None else torch.empty(0, dtype=dtype, device=device)
-    incoming = torch.empty(sum(senders) * n, dtype=dtype, device=device)
-    send_splits = [n if rows is not None else 0] * world_size
-    receive_splits = [n if sending else 0 for sending in senders]
-    _run(lambda: dist.all_to_all_single(incoming, send.reshape(-1), receive_splits, send_splits, group=group))
-    return incoming.view(-1, n)
+    world_size = dist.get_world_size()
+    send = row.to(device).contiguous() if row is not None else torch.empty(0, dtype=dtype, device=device)
+    incoming = torch.empty(n if source is not None else 0, dtype=dtype, device=device)
+    send_splits, receive_splits = [0] * world_size, [0] * world_size
+    if row is not None:
+        send_splits[to] = n
+    if source is not None:
+        receive_splits[source] = n
+    _run(lambda: dist.all_to_all_single(incoming, send, receive_splits, send_splits, group=group))
+    return incoming if source is not None else None
 
 
 def _unless_a_rank_died(work: dist.Work) -> None:

@@ -308,16 +308,17 @@ class ShardedStatisticsPlacement(FullyShardedPlacement):
         exchanged: set[int] = set()
 
         def fold(unit: int, grads: dict[int, torch.Tensor]) -> None:
-            received = shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, grads), device)
-            exchanged.add(unit)
-            shards.fold_received(contributions, layout.units[unit], received)
+            try:
+                shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, grads), device)
+            finally:
+                exchanged.add(unit)  # its ring steps ran (a fold that failed in between let them finish)
 
         try:
             adjoints = self.units.run(outputs, self.leaves(), fold, inputs, grad_outputs, retain_graph)
         except BaseException:
             for unit in self.units.order:  # complete the pass's collectives: the peers are waiting in them
                 if unit not in exchanged:
-                    shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, {}), device)
+                    shards.exchange_unit(contributions, layout.units[unit], _sent(contribution, {}), device, False)
             raise
         shards.end_pass(contributions)
         return adjoints

@@ -12,11 +12,12 @@ runs* (:class:`~tslightning.core.unit_backward.UnitBackward`), so no rank ever h
    source's group, group size and reward; the batch accumulator; or ``None`` for an idle pass) is all-gathered, a
    control message — every rank then knows what each rank's gradient is for;
 2. for each gradient unit as the backward completes it, in the fixed fold order (the same on every rank):
-   :meth:`StatisticsShards.exchange_unit` — one ``all_to_all_single`` sends shard j of this rank's unit gradient to
-   rank j (an idle rank sends nothing) — and :meth:`StatisticsShards.fold_received`: every rank folds the shards it
-   received, in rank order, into its shard of the right statistics (Eq. 7's two axpys, or the batch sum). The unit's
-   gradient is then dropped: a rank holds one unit unsharded, the rows it sent and the rows it received (a unit's
-   worth each), whatever the model's size;
+   :meth:`StatisticsShards.exchange_unit` passes the unit's shards around a ring — at step s every rank sends its
+   chunk for rank ``rank + s`` and receives the chunk rank ``rank − s`` sent (an idle rank sends nothing), one
+   ``all_to_all_single`` with two non-zero splits — and folds each arrival (its own chunk first) into its shard of
+   the right statistics (Eq. 7's two axpys, or the batch sum) before the next step. The unit's gradient is then
+   dropped: a rank holds one unit unsharded plus one row sent and one received, 1/world of a unit each — gradient
+   memory of one unit and two shards, whatever the model's size, the shards falling as 1/world;
 3. :meth:`StatisticsShards.end_pass`: each folded source is counted in its group, and a group closes on every rank
    once all m of its sources are folded (all m rewards travelled with them: μ and a_G are known everywhere).
 
@@ -47,11 +48,11 @@ from tslightning.core.shard_layout import ShardLayout
 from tslightning.core.streaming_statistics import StreamingStatistics
 from tslightning.core.unit_folding import UnitFolder
 from tslightning.distributed.collectives import (
-    all_to_all_rows,
     control_all_gather,
     control_all_reduce,
     control_group,
     distributed,
+    send_receive,
 )
 from tslightning.objectives.advantages import AdvantageEstimator
 
@@ -131,30 +132,45 @@ class StatisticsShards:
         unit: Sequence[int],
         grads: dict[int, torch.Tensor] | None,
         device: torch.device,
-    ) -> torch.Tensor | None:
-        """Send every rank its shard of this rank's unit gradient and receive the shards of every sending rank (a
-        collective: every rank, every unit, in the fold order); ``grads`` ``None`` for an idle pass, which sends
-        nothing. Returns ``(senders, unit_numel)`` rows in rank order (``None`` when no rank sends)."""
+        fold: bool = True,
+    ) -> None:
+        """Exchange one unit's gradient shards around the ring and fold each arrival into this rank's shard statistics
+        (a collective: every rank, every unit, in the fold order). ``grads`` ``None`` for an idle pass, which sends
+        nothing; ``fold`` ``False`` only completes the exchange (a failed pass's, for its peers). A fold that raises
+        is raised once every step has run, so no peer is left waiting in one.
+
+        Step s of ``world_size``: send the chunk of rank ``rank + s`` and receive the chunk rank ``rank − s`` sent
+        (step 0 is this rank's own chunk), folded before the next step. A step holds one row sent and one received,
+        ``unit_numel`` values each: 1/world of the unit."""
         senders = [c is not None for c in contributions]
         if not any(senders):
-            return None
-        dtype, numel = self.statistics.dtype, self.layout.unit_numel(unit)
-        rows = None if grads is None else self.layout.scatter_unit(unit, grads, dtype, device)
-        received = all_to_all_rows(rows, senders, numel, dtype, device)
-        held = sum(g.numel() for g in (grads or {}).values()) + (0 if rows is None else rows.numel()) + received.numel()
-        self.peak_exchange_numel = max(self.peak_exchange_numel, held)
-        return received
-
-    def fold_received(
-        self, contributions: Sequence[Contribution | None], unit: Sequence[int], received: torch.Tensor | None
-    ) -> None:
-        """Fold the shards :meth:`exchange_unit` received, in rank order, into this rank's shard statistics."""
-        if received is None:
             return
+        world, rank = self.layout.world_size, self.layout.rank
+        dtype, numel = self.statistics.dtype, self.layout.unit_numel(unit)
+        produced = sum(g.numel() for g in (grads or {}).values())
+        failure: BaseException | None = None
+        for step in range(world):
+            to, source = (rank + step) % world, (rank - step) % world
+            row = None if grads is None else self.layout.unit_row(unit, grads, to, dtype, device)
+            sent = 0 if row is None else row.numel()
+            if step > 0:
+                row = send_receive(row, to, source if senders[source] else None, numel, dtype, device)
+            received = 0 if row is None or step == 0 else row.numel()
+            self.peak_exchange_numel = max(self.peak_exchange_numel, produced + sent + received)
+            if fold and failure is None and row is not None:
+                try:
+                    self.fold_received(contributions[source], unit, row)
+                except BaseException as error:  # the peers wait in the next steps: finish them, then fail
+                    failure = error
+        if failure is not None:
+            raise failure
+
+    def fold_received(self, contribution: Contribution, unit: Sequence[int], row: torch.Tensor) -> None:
+        """Fold ``row`` — this rank's chunk of ``unit`` of ``contribution``'s source gradient — into this rank's
+        shard statistics."""
         pieces = []
-        for c, row in zip([c for c in contributions if c is not None], received, strict=True):
-            for statistic, alpha in self.statistics.terms(c):
-                pieces += self.layout.unit_pieces(statistic, unit, row, alpha)
+        for statistic, alpha in self.statistics.terms(contribution):
+            pieces += self.layout.unit_pieces(statistic, unit, row, alpha)
         self.folder.fold(pieces)
 
     def end_pass(self, contributions: Sequence[Contribution | None]) -> None:

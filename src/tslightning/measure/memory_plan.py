@@ -10,9 +10,10 @@ which the plan asks instead of reading strategy names. Per rank:
   parameters and two gradient units (the one running and the one prefetched), in the weights' dtype;
 * **gradients** — one *gradient unit* (a decoder block, or one other parameter such as the vocabulary matrix;
   :mod:`tslightning.core.gradient_units`): the learner folds each unit into the statistics as the backward produces
-  it, so a source's gradient never exists whole. Sharded statistics add the unit's exchange (the rows sent and the
-  rows received, a unit each); ``learner.fold_queue_depth`` d adds d units waiting for the folding thread (on the
-  device when the statistics are, else in page-locked host staging buffers);
+  it, so a source's gradient never exists whole. Sharded statistics add the unit's ring exchange: one row sent and
+  one received at a time, 1/world of a unit each (falling with ranks); ``learner.fold_queue_depth`` d adds d
+  folds waiting for the folding thread (a unit each, or a row when sharded; on the device when the statistics are,
+  else in page-locked host staging buffers);
 * **optimizer** — AdamW's two moments per trainable value, in the master weights' dtype (bfloat16 with
   ``optimizer.state_dtype``), divided among the ranks when the placement shards the optimizer state;
 * **statistics** — the streaming accumulators (App. D.3): GRPO holds G1 and G2 for each open group plus the batch
@@ -39,7 +40,7 @@ The device's peak is the larger of a pass's total and the barrier's.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,7 +184,7 @@ class MemoryPlan:
         rows = [
             ("weights", self.weights, "device"),
             ("  gathered during a pass", self.gathered, "device"),
-            ("gradients (one unit + exchange + fold queue)", self.gradients, "device"),
+            ("gradients (one unit + ring rows + fold queue)", self.gradients, "device"),
             ("optimizer state (AdamW)", self.optimizer, "device"),
             (statistics, self.statistics, place),
             ("DDP gradient buckets", self.ddp_buckets, "device"),
@@ -242,8 +243,9 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
         vectors = 2 * shape.open_groups * (1 if shape.spread_groups else shards) + 1
     on_device = shape.statistics_device == "device"
     unit = max(units)
-    exchange = 2 * unit * statistics_size if shards > 1 else 0  # the rows sent and the rows received
-    queued = shape.fold_queue_depth * unit * statistics_size
+    row = max(_unit_numels(model, shape, shards)) if shards > 1 else unit  # a ring step's row: 1/world of a unit
+    exchange = 2 * row * statistics_size if shards > 1 else 0  # one row sent, one received
+    queued = shape.fold_queue_depth * row * statistics_size  # folds waiting for the folding thread
     passes = shape.sync_micro_batch_size if shape.schedule == "sync" else 1
     trace = (model, shape.sequence_tokens, compute_dtype)
     chunk = shape.logprob_chunk_tokens
@@ -265,7 +267,7 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
         gathered=_gathered_bytes(model, shape, units, trainable_dtype, frozen_dtype),
         ddp_buckets=trainable * size if shape.world_size > 1 and not shape.placement.shards_optimizer else 0,
         barrier=_barrier_bytes(model, shape, trainable, vector, size, statistics_size),
-        staging=0 if on_device else _pinned(unit * statistics_size) * shape.fold_queue_depth,
+        staging=0 if on_device else _pinned(row * statistics_size) * shape.fold_queue_depth,
         host_statistics=0 if on_device else vectors * _pinned(vector * statistics_size),
         largest_unit=unit,
         head_transient=_head_transient(
@@ -309,21 +311,15 @@ def plan_report(plan: MemoryPlan, shape: LearnerShape, gpu_memory_gb: float | No
     return "\n".join(lines)
 
 
-def _unit_numels(model: torch.nn.Module, shape: LearnerShape) -> list[int]:
-    """Trainable values per gradient unit (:func:`~tslightning.core.gradient_units.gradient_units`)."""
+def _unit_numels(model: torch.nn.Module, shape: LearnerShape, world_size: int = 1) -> list[int]:
+    """Trainable values per gradient unit (:func:`~tslightning.core.gradient_units.gradient_units`); with
+    ``world_size`` > 1, one rank's part of each (``ceil(rows / world)`` rows of each tensor, FSDP2's padded chunk)."""
     if not shape.lora_rank:
         parameters = list(model.parameters())
-        return [sum(parameters[i].numel() for i in unit) for unit in gradient_units(model, parameters)]
+        return [sum(_chunk(parameters[i].shape, world_size) for i in u) for u in gradient_units(model, parameters)]
     blocks = set(getattr(model, "_no_split_modules", None) or [])
-    return [
-        sum(
-            shape.lora_rank * (linear.in_features + linear.out_features)
-            for name, linear in block.named_modules()
-            if isinstance(linear, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
-        )
-        for block in model.modules()
-        if type(block).__name__ in blocks
-    ] or [_lora_numel(model, shape)]
+    units = [_adapter_numel(block, shape, world_size) for block in model.modules() if type(block).__name__ in blocks]
+    return units or [_lora_numel(model, shape)]
 
 
 def _gathered_bytes(
@@ -436,17 +432,25 @@ def _lora_numel(model: torch.nn.Module, shape: LearnerShape) -> int:
 def _shard_numel(model: torch.nn.Module, shape: LearnerShape, world_size: int) -> int:
     """Values in one rank's shard of a statistic: ceil(rows / world) rows of every trainable tensor (FSDP2's chunk,
     padded), LoRA's A (r × in) and B (out × r) included."""
-
-    def chunk(rows: int, row: int) -> int:
-        return math.ceil(rows / world_size) * row
-
     if shape.lora_rank:
-        return sum(
-            chunk(shape.lora_rank, module.in_features) + chunk(module.out_features, shape.lora_rank)
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
-        )
-    return sum(chunk(p.shape[0], math.prod(p.shape[1:])) if p.dim() else 1 for p in model.parameters())
+        return _adapter_numel(model, shape, world_size)
+    return sum(_chunk(p.shape, world_size) for p in model.parameters())
+
+
+def _adapter_numel(module: torch.nn.Module, shape: LearnerShape, world_size: int) -> int:
+    """One rank's chunks of the LoRA factors A (r × in) and B (out × r) of the targeted linears in ``module``."""
+    r = shape.lora_rank
+    return sum(
+        _chunk((r, linear.in_features), world_size) + _chunk((linear.out_features, r), world_size)
+        for name, linear in module.named_modules()
+        if isinstance(linear, torch.nn.Linear) and name.rsplit(".", 1)[-1] in shape.lora_targets
+    )
+
+
+def _chunk(shape: Sequence[int], world_size: int) -> int:
+    """Values in one rank's FSDP2 chunk of a tensor of ``shape``: ``ceil(rows / world)`` rows (a scalar: 1)."""
+    rows = shape[0] if len(shape) > 0 else 1
+    return math.ceil(rows / world_size) * math.prod(shape[1:])
 
 
 def _readable(size: int) -> str:
