@@ -102,6 +102,7 @@ def test_fit_survives_a_replica_killed_mid_update_and_serves_on_the_restarted_on
         "--rollout.ray.server_args", json.dumps(SERVER_ARGS), "--rollout.ray.health_interval_s", "1",
         "--rollout.ray.wait_for_restarts", "true", "--rollout.ray.startup_timeout_s", "400",
         "--updates", str(UPDATES), "--warm_start.steps", "0", "--rollout.max_turns", "2",
+        "--rollout.max_tokens_per_turn", "32",
         "--rollout.prompts_per_update", str(PROMPTS),
         "--rollout.samples_per_prompt", str(SAMPLES), "--out_dir", str(out), "--progress", "false",
         "--record_batches", "true", "--checkpoint.enabled", "false", "--callbacks", json.dumps([fault]),
