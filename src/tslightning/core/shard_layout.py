@@ -78,7 +78,8 @@ class ShardLayout:
 
     def scatter(self, grads: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """One source's per-parameter gradients (full shapes) as a ``(world_size, numel)`` tensor on ``device``:
-        row r is rank r's shard, the split ``all_to_all_single`` sends."""
+        row r is rank r's shard (every rank's part of a whole gradient at once; the learner sends a unit's parts
+        one :meth:`unit_row` at a time)."""
         out = torch.zeros(self.world_size, self.numel, dtype=dtype, device=device)
         for index, g in enumerate(grads):
             flat, start, chunk = (
