@@ -108,6 +108,7 @@ def test_demonstrations_solve_each_task_with_near_misses():
         + [(tasks[1].instruction, 1), (tasks[1].instruction, 3)]
     )
     assert all(d.turns[-1][0] == "<finish/>" for d in demos)
+    assert sorted(sum(GAUGE_COMMAND in a for a, _ in d.turns) for d in demos if d.reference) == [1, 2]
     assert len(gauge_demonstrations(tasks, settings(), near_misses=False)) == 2
 
 

@@ -276,6 +276,10 @@ class WarmStartSettings:
     rather than leaning toward the last few (an even choice between each task's reference and near miss)."""
     near_misses: bool = True
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+    reference_share: float | None = None
+    """Probability that a warm-start step shows a reference solution rather than a near miss (``None``: every
+    demonstration equally often, i.e. 0.5). With ``lr_schedule: linear`` policy-0 solves a task about this share of
+    the time: lower leaves RL more to learn, higher fewer groups with a reward spread."""
     task_names: list[str] | None = None
     """Demonstrate these tasks of ``rollout.tasks`` (by directory name, either side of the split) instead of the
     training tasks. Held-out tasks named here stand in for what a pretrained policy already knows: RL never trains on
@@ -288,6 +292,10 @@ class WarmStartSettings:
             problems.append("warm_start.task_names is empty: name at least one task, or null for the training tasks")
         if not self.lr > 0:
             problems.append(f"warm_start.lr must be > 0; got {self.lr}")
+        if self.reference_share is not None and not 0 < self.reference_share < 1:
+            problems.append(f"warm_start.reference_share must be in (0, 1) or null; got {self.reference_share}")
+        if self.reference_share is not None and not self.near_misses:
+            problems.append("warm_start.reference_share needs warm_start.near_misses: true (there is nothing to share)")
         return problems
 
 

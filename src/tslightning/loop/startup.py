@@ -101,7 +101,14 @@ def _save_initial_policy(
         tasks = select_tasks(replace(rollout, task_names=warm_start.task_names, split="all")).tasks
     demos = demonstrations(rollout, tasks, warm_start.near_misses)
     supervised_warm_start(
-        policy, loop, demos, steps=warm_start.steps, lr=warm_start.lr, seed=seed, lr_schedule=warm_start.lr_schedule
+        policy,
+        loop,
+        demos,
+        steps=warm_start.steps,
+        lr=warm_start.lr,
+        seed=seed,
+        lr_schedule=warm_start.lr_schedule,
+        reference_share=warm_start.reference_share,
     )
     policy.save_pretrained(policy_dir)
     tokenizer.save_pretrained(policy_dir)

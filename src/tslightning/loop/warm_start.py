@@ -48,12 +48,16 @@ def supervised_warm_start(
     lr: float = 3e-3,
     seed: int = 0,
     lr_schedule: str = "constant",
+    reference_share: float | None = None,
 ) -> list[float]:
     """Fit ``model`` to the demonstrations' action tokens (AdamW, one demonstration per step, seeded order).
 
+    Each step draws a demonstration uniformly, or, with ``reference_share``, a reference solution with that
+    probability and a near miss otherwise (each uniformly among its kind).
+
     ``lr_schedule`` ``linear`` decays the learning rate to 0 over the steps: the policy then ends near the average
-    of the demonstrations rather than leaning toward the last few it saw (with a reference and a near miss of each
-    task, an even choice between them instead of one that depends on the seed's order).
+    of the demonstrations it was shown rather than leaning toward the last few (it chooses a task's reference about
+    ``reference_share`` of the time, instead of a share that depends on the seed's order).
 
     ``loop`` lays the demonstrations out: the built-in agent loop's serialization, or a harness's format.
 
@@ -64,6 +68,7 @@ def supervised_warm_start(
         raise ValueError("supervised_warm_start needs at least one demonstration")
     tokens = (lambda d: demonstration_tokens(loop, d)) if isinstance(loop, AgentLoop) else loop.demonstration_tokens
     examples = [tokens(d) for d in demonstrations]
+    draw = _demonstration_draw(demonstrations, reference_share)
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     decay = (lambda step: 1.0 - step / steps) if lr_schedule == "linear" else (lambda step: 1.0)
@@ -72,7 +77,12 @@ def supervised_warm_start(
     losses = []
     model.train()
     for _ in range(steps):
-        ids, mask = examples[int(torch.randint(len(examples), (), generator=order))]
+        index = (
+            torch.randint(len(examples), (), generator=order)
+            if draw is None
+            else torch.multinomial(draw, 1, generator=order)
+        )
+        ids, mask = examples[int(index)]
         ids, mask = ids.to(device), mask.to(device)
         logits = model(input_ids=ids[None]).logits[0, :-1]
         loss = torch.nn.functional.cross_entropy(logits[mask[1:]].float(), ids[1:][mask[1:]])
@@ -84,3 +94,15 @@ def supervised_warm_start(
     model.zero_grad(set_to_none=True)  # the RL learner accumulates into .grad: leave it nothing of the warm start
     model.eval()
     return losses
+
+
+def _demonstration_draw(demonstrations: Sequence[Demonstration], reference_share: float | None) -> torch.Tensor | None:
+    """Each demonstration's probability of being drawn at a step, ``(len(demonstrations),)`` float64; ``None``:
+    uniform (no share, or demonstrations of one kind only)."""
+    references = torch.tensor([d.reference for d in demonstrations], dtype=torch.float64)
+    if reference_share is None or references.all() or not references.any():
+        return None
+    if not 0.0 < reference_share < 1.0:
+        raise ValueError(f"reference_share must be in (0, 1); got {reference_share}")
+    misses = 1.0 - references
+    return reference_share * references / references.sum() + (1.0 - reference_share) * misses / misses.sum()

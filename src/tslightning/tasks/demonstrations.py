@@ -1,7 +1,8 @@
 """Demonstrations: a task solved as agent turns, for the supervised warm start (:mod:`tslightning.loop.warm_start`).
 
 Each shipped task's reference solution becomes a two-turn transcript (run it, then finish), and optionally a
-near miss — the same command slightly wrong — so that sampled groups carry a reward spread to learn from.
+near miss — the same command slightly wrong — so that sampled groups carry a reward spread to learn from
+(``warm_start.reference_share`` sets how often the warm start shows each kind).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 class Demonstration:
     """One task solved by the agent: the instruction, then (action text, observation text) per turn.
 
-    The last turn's observation is ignored (typically the ``<finish/>`` turn).
+    The last turn's observation is ignored (typically the ``<finish/>`` turn). ``reference`` is false for a near
+    miss (a plausible wrong solution, shown so that sampled groups carry a reward spread).
     """
 
     instruction: str
     turns: tuple[tuple[str, str], ...]
+    reference: bool = True
 
 
 def reference_demonstration(task) -> Demonstration:
@@ -47,9 +50,25 @@ def task_demonstrations(tasks, near_misses: bool) -> list[Demonstration]:
 
 
 def near_miss(demo: Demonstration) -> Demonstration:
-    """The reference command with its last line dropped (or, for one-liners, with no output redirection): usually
-    partially right, so its verifier scores between the no-op's and the reference's."""
+    """The reference command made wrong in a plausible way, so its verifier scores it below the reference: its last
+    line dropped; a one-liner's output redirection dropped (prints instead of writing), else its in-place flag
+    (``sed -i``: prints the edit instead of making it), else its last word.
+
+    Never the reference itself, unless that is one word: a near miss equal to it would only double the reference in
+    the warm start and leave sampled groups without the reward spread GRPO learns from.
+    """
     action = demo.turns[0][0].removeprefix("<bash>").removesuffix("</bash>")
-    lines = action.splitlines()
-    wrong = "\n".join(lines[:-1]) if len(lines) > 1 else action.split(">")[0].strip()
-    return Demonstration(demo.instruction, ((f"<bash>{wrong}</bash>", "[exit code 0]"), ("<finish/>", "")))
+    wrong = _partially_wrong(action)
+    turns = ((f"<bash>{wrong}</bash>", "[exit code 0]"), ("<finish/>", ""))
+    return Demonstration(demo.instruction, turns, reference=False)
+
+
+def _partially_wrong(command: str) -> str:
+    lines = command.splitlines()
+    if len(lines) > 1:
+        return "\n".join(lines[:-1])
+    if ">" in command:
+        return command.split(">")[0].strip()
+    if " -i " in command:
+        return command.replace(" -i ", " ", 1)
+    return command.rpartition(" ")[0] or command  # one word: nothing shorter is a command

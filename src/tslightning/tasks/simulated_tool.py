@@ -189,7 +189,7 @@ def gauge_demonstrations(
                 (f"<bash>{GAUGE_COMMAND}</bash>", f"{gauge_reading(k + 1, rng, settings)}\n[exit code 0]")
                 for k in range(count)
             ]
-            demos.append(Demonstration(task.instruction, (*turns, ("<finish/>", ""))))
+            demos.append(Demonstration(task.instruction, (*turns, ("<finish/>", "")), count == task.target_calls))
     return demos
 
 
