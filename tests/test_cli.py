@@ -132,7 +132,7 @@ def test_top_level_config_before_the_command_is_the_commands_config(capsys, tmp_
     with pytest.raises(SystemExit):
         cli.main(["--config", "configs/quickstart.yaml", "fit", "--updates", "5", "--print_config"])
     out = capsys.readouterr().out
-    assert "updates: 5" in out and "warm_start:\n  steps: 800" in out  # the config's, then the command line's
+    assert "updates: 5" in out and "warm_start:\n  steps: 1600" in out  # the config's, then the command line's
     nested = tmp_path / "nested.yaml"  # jsonargparse's own form: settings under the command's name
     nested.write_text("fit:\n  updates: 7\n")
     with pytest.raises(SystemExit):

@@ -263,7 +263,7 @@ def test_fit_with_the_vllm_engine_on_two_ranks_trains_one_model(tmp_path):
     out = tmp_path / "run"
     run_fit(
         out, "--rollout.engine", "vllm", "--learner.devices", "2", "--learner.strategy", "ddp", "--updates", "1",
-        "--warm_start.steps", "300", "--record_batches", "true", "--checkpoint.enabled", "false",
+        "--warm_start.steps", "800", "--record_batches", "true", "--checkpoint.enabled", "false",
         *dump_parameters(out), timeout=900,
     )  # fmt: skip
     thetas = [torch.load(out / f"theta-rank{rank}.pt", weights_only=True) for rank in (0, 1)]

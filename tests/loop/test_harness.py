@@ -37,7 +37,7 @@ def test_each_rank_starts_its_own_gateway_on_loopback_and_the_harness_program(to
 def test_preflight_names_a_harness_that_cannot_run_before_anything_is_written():
     from tslightning.distributed.learner_strategy import LearnerSettings
     from tslightning.loop.preflight import harness_problems
-    from tslightning.loop.settings import WarmStartSettings
+    from tslightning.loop.warm_start import WarmStartSettings
 
     run = ("grpo", "thundersync", "recompute", RolloutSettings(), WarmStartSettings())
     no_mini = HarnessSettings(name="mini_swe_agent", python=sys.executable)  # this environment has no mini-swe-agent

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import tslightning.loop.startup as startup
-from tslightning.loop.settings import ModelSettings, RolloutSettings, WarmStartSettings
+from tslightning.loop.settings import ModelSettings, RolloutSettings
 from tslightning.loop.startup import learner_cores, prepare_policy
 from tslightning.loop.task_selection import training_tasks
+from tslightning.loop.warm_start import WarmStartSettings
 from tslightning.tasks.validation import library_dir
 
 

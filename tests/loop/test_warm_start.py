@@ -160,7 +160,7 @@ def test_without_a_reference_share_every_demonstration_is_drawn_equally_often(to
     ],
 )
 def test_a_reference_share_out_of_range_or_without_near_misses_is_a_problem(settings, problem):
-    from tslightning.loop.settings import WarmStartSettings
+    from tslightning.loop.warm_start import WarmStartSettings
 
     assert any(p.startswith(problem) for p in WarmStartSettings(steps=10, **settings).problems())
     assert WarmStartSettings(steps=10, reference_share=0.3).problems() == []

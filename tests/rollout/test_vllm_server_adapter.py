@@ -101,7 +101,7 @@ def _fit(url: str, out: Path, *extra: str) -> None:
     run_fit(
         out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{url}]",
         "--model.lora", json.dumps({"r": 8, "alpha": 16}), "--algorithm.optimizer.lr", "0.003",
-        "--updates", str(UPDATES), "--warm_start.steps", "300", "--rollout.prompts_per_update", "4",
+        "--updates", str(UPDATES), "--warm_start.steps", "800", "--rollout.prompts_per_update", "4",
         *dump_parameters(out), *extra,
     )  # fmt: skip
 

@@ -61,7 +61,7 @@ def test_two_learner_ranks_share_the_server_and_rank_zero_publishes_once_per_upd
     run_fit(
         out, "--rollout.engine", "vllm_server", "--rollout.server_urls", f"[{vllm_server.url}]",
         "--learner.devices", "2", "--learner.strategy", strategy, "--updates", str(SHARED_UPDATES),
-        "--warm_start.steps", "300", "--rollout.prompts_per_update", "4", "--record_batches", "true",
+        "--warm_start.steps", "800", "--rollout.prompts_per_update", "4", "--record_batches", "true",
         "--checkpoint.enabled", "false", *dump_parameters(out),
     )  # fmt: skip
 

@@ -14,8 +14,8 @@ from tslightning.loop.settings import (
     LoraSettings,
     ModelSettings,
     RolloutSettings,
-    WarmStartSettings,
 )
+from tslightning.loop.warm_start import WarmStartSettings
 
 __all__ = [
     "AlgorithmSettings",

@@ -50,7 +50,6 @@ from tslightning.loop.settings import (
     LoraSettings,
     ModelSettings,
     RolloutSettings,
-    WarmStartSettings,
 )
 from tslightning.loop.startup import (
     agent_limits,
@@ -71,6 +70,7 @@ from tslightning.loop.updates import (
     record_update,
     rollout_outcome,
 )
+from tslightning.loop.warm_start import WarmStartSettings
 from tslightning.measure.device_clock import synchronized_clock
 from tslightning.measure.memory_plan import plan_report
 from tslightning.measure.timeline import plot_timeline

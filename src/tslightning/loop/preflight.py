@@ -28,11 +28,11 @@ from tslightning.loop.settings import (
     CheckpointSettings,
     ModelSettings,
     RolloutSettings,
-    WarmStartSettings,
     setting_problems,
     settings_error,
 )
 from tslightning.loop.task_selection import select_tasks
+from tslightning.loop.warm_start import WarmStartSettings
 from tslightning.rollout.core_placement import check_cores
 from tslightning.rollout.gateway.harness_settings import HarnessSettings
 from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config

@@ -1,6 +1,6 @@
-"""`fit`'s typed settings: the policy, the rollout pool and tasks, the warm start, the learning algorithm and
-checkpoints (jsonargparse derives the CLI from these dataclasses and their attribute docstrings), and the checks run on
-them before anything is written.
+"""`fit`'s typed settings: the policy, the rollout pool and tasks, the learning algorithm and checkpoints
+(jsonargparse derives the CLI from these dataclasses and their attribute docstrings), and the checks run on them
+before anything is written. The warm start's settings live with it (:mod:`tslightning.loop.warm_start`).
 """
 
 from __future__ import annotations
@@ -259,43 +259,6 @@ class RolloutSettings:
             problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
         if not self.reward_key:
             problems.append("rollout.reward_key is empty: name the reward.json key to train on (default: reward)")
-        return problems
-
-
-@dataclass
-class WarmStartSettings:
-    """A short supervised warm start on the tasks' reference solutions (0 steps: none)."""
-
-    steps: int = 0
-    """Optimizer steps, one demonstration each (0: no warm start). Skipped on ``--resume``: the checkpoint holds the
-    warm-started and trained weights."""
-    lr: float = 3e-3
-    """AdamW learning rate of the warm start."""
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    """``linear`` decays the learning rate to 0 over the steps, so the policy ends near the demonstrations' average
-    rather than leaning toward the last few (an even choice between each task's reference and near miss)."""
-    near_misses: bool = True
-    """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
-    reference_share: float | None = None
-    """Probability that a warm-start step shows a reference solution rather than a near miss (``None``: every
-    demonstration equally often, i.e. 0.5). With ``lr_schedule: linear`` policy-0 solves a task about this share of
-    the time: lower leaves RL more to learn, higher fewer groups with a reward spread."""
-    task_names: list[str] | None = None
-    """Demonstrate these tasks of ``rollout.tasks`` (by directory name, either side of the split) instead of the
-    training tasks. Held-out tasks named here stand in for what a pretrained policy already knows: RL never trains on
-    them, so ``tslightning validate``'s dev split shows whether what RL learned carries over."""
-
-    def problems(self) -> list[str]:
-        """Everything out of range, each naming the key (``warm_start.*``) and the fix."""
-        problems = _at_least("warm_start", self, ("steps", 0))
-        if self.task_names is not None and not self.task_names:
-            problems.append("warm_start.task_names is empty: name at least one task, or null for the training tasks")
-        if not self.lr > 0:
-            problems.append(f"warm_start.lr must be > 0; got {self.lr}")
-        if self.reference_share is not None and not 0 < self.reference_share < 1:
-            problems.append(f"warm_start.reference_share must be in (0, 1) or null; got {self.reference_share}")
-        if self.reference_share is not None and not self.near_misses:
-            problems.append("warm_start.reference_share needs warm_start.near_misses: true (there is nothing to share)")
         return problems
 
 

@@ -11,12 +11,51 @@ gateway brings its own layout instead (e.g. :class:`~tslightning.rollout.gateway
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
 from tslightning.rollout.agent_loop import AgentLoop
 from tslightning.tasks.demonstrations import Demonstration
+
+
+@dataclass
+class WarmStartSettings:
+    """A short supervised warm start on the tasks' reference solutions (0 steps: none)."""
+
+    steps: int = 0
+    """Optimizer steps, one demonstration each (0: no warm start). Skipped on ``--resume``: the checkpoint holds the
+    warm-started and trained weights."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """``linear`` decays the learning rate to 0 over the steps, so the policy ends near the demonstrations' average
+    rather than leaning toward the last few (an even choice between each task's reference and near miss)."""
+    near_misses: bool = True
+    """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
+    reference_share: float | None = None
+    """Probability that a warm-start step shows a reference solution rather than a near miss (``None``: every
+    demonstration equally often: 0.5 for terminal tasks, one reference and one near miss each). With ``lr_schedule:
+    linear`` policy-0 solves a task about this share of the time: lower leaves RL more to learn; near 0 or 1, fewer
+    sampled groups carry a reward spread."""
+    task_names: list[str] | None = None
+    """Demonstrate these tasks of ``rollout.tasks`` (by directory name, either side of the split) instead of the
+    training tasks. Held-out tasks named here stand in for what a pretrained policy already knows: RL never trains on
+    them, so ``tslightning validate``'s dev split shows whether what RL learned carries over."""
+
+    def problems(self) -> list[str]:
+        """Everything out of range, each naming the key (``warm_start.*``) and the fix."""
+        problems = [f"warm_start.steps must be >= 0; got {self.steps}"] if self.steps < 0 else []
+        if self.task_names is not None and not self.task_names:
+            problems.append("warm_start.task_names is empty: name at least one task, or null for the training tasks")
+        if not self.lr > 0:
+            problems.append(f"warm_start.lr must be > 0; got {self.lr}")
+        if self.reference_share is not None and not 0 < self.reference_share < 1:
+            problems.append(f"warm_start.reference_share must be in (0, 1) or null; got {self.reference_share}")
+        if self.reference_share is not None and not self.near_misses:
+            problems.append("warm_start.reference_share needs warm_start.near_misses: true (there is nothing to share)")
+        return problems
 
 
 class DemonstrationFormat(Protocol):
