@@ -30,8 +30,8 @@ class WarmStartSettings:
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
     lr_schedule: Literal["constant", "linear"] = "constant"
-    """``linear`` decays the learning rate to 0 over the steps, so the policy ends near the demonstrations' average
-    rather than leaning toward the last few (an even choice between each task's reference and near miss)."""
+    """``linear`` decays the learning rate to 0 over the steps, so the policy ends near the mix of demonstrations it
+    was shown (a task's reference about ``reference_share`` of the time) rather than leaning toward the last few."""
     near_misses: bool = True
     """Also demonstrate each task's plausible wrong command, so sampled groups carry a reward spread to learn from."""
     reference_share: float | None = None
