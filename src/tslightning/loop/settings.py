@@ -15,6 +15,7 @@ from tslightning.learner.precision import Precision
 from tslightning.learner.settings import OptimizerSettings
 from tslightning.models.tiny_model import TinyModelConfig
 from tslightning.rollout.replica_launcher import RaySettings
+from tslightning.rollout.speculative import SpeculativeSettings
 from tslightning.rollout.vllm_server_check import url_problems
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
@@ -160,6 +161,10 @@ class RolloutSettings:
     (``learner.cpus``) so rollout and learner do not compete, as on separate GPUs."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     """The ``vllm`` engine: context length, GPUs and memory, dtype."""
+    speculative: SpeculativeSettings | None = None
+    """Lossless model-free speculative decoding on the ``vllm`` and ``vllm_server`` engines, by default only while few
+    sequences run (the tail); the sampled distribution is unchanged (:mod:`tslightning.rollout.speculative`).
+    ``vllm_server``: start each server with the same settings (``server_command``; checked before training)."""
     environment: Literal["terminal", "simulated_tool"] = "terminal"
     """``terminal``: sandboxed terminal tasks; ``simulated_tool``: the benchmark's gauge tasks, whose tool calls
     sleep a seeded latency (:mod:`tslightning.tasks.simulated_tool`; ``tasks`` and ``split`` do not apply)."""
@@ -259,6 +264,13 @@ class RolloutSettings:
             problems.append(f"rollout.server_timeout_s must be > 0; got {self.server_timeout_s}")
         if not self.reward_key:
             problems.append("rollout.reward_key is empty: name the reward.json key to train on (default: reward)")
+        if self.speculative is not None:
+            problems += self.speculative.problems()
+            if self.engine == "hf":
+                problems.append(
+                    "rollout.speculative runs vLLM's drafters: set rollout.engine vllm or vllm_server, or remove "
+                    "rollout.speculative (the hf engine samples without speculation)"
+                )
         return problems
 
 

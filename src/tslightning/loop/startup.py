@@ -150,7 +150,7 @@ def start_engine(
     placement = placement or RankPlacement(0, 1)
     cpus = placement.share(rollout.cpus)
     if rollout.engine == "vllm":
-        return _start_vllm(rollout.vllm, policy_dir, dtype, cpus, placement, world_size, max_model_len)
+        return _start_vllm(rollout, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     if rollout.engine == "vllm_server":
         return start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096, lora)
     from tslightning.rollout.hf_engine import HFRolloutEngine
@@ -165,9 +165,10 @@ def start_engine(
     )
 
 
-def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
+def _start_vllm(rollout, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
     from tslightning.rollout.vllm_engine import VLLMRolloutEngine
 
+    settings = rollout.vllm
     gpus = placement.share(settings.gpus)
     shared = settings.gpus is None and torch.cuda.is_available()  # vLLM beside the learner, on its GPU
     in_process = settings.in_process
@@ -186,6 +187,7 @@ def _start_vllm(settings, policy_dir: Path, dtype: str, cpus, placement: RankPla
         in_process=in_process,
         cpus=None if in_process else cpus,
         gpus=gpus,
+        speculative=rollout.speculative,
     )
 
 

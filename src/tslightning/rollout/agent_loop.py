@@ -33,6 +33,7 @@ from tslightning.rollout.observation import (
     keep_text_head_and_tail,
     status_line,
 )
+from tslightning.rollout.speculative import SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,16 @@ class AgentTurn:
     context_length: int
     """Tokens of causal history before this turn's action."""
     action_token_ids: tuple[int, ...]
-    action_logprobs: tuple[float, ...]
+    action_logprobs: tuple[float, ...] | None
+    """The engine's log-probs of the action tokens (``None``: sampled with speculative decoding, none trusted)."""
     observation_token_ids: tuple[int, ...]
     action: Action
     policy_version: int
     finish_reason: str
     generation_seconds: float
     tool_seconds: float
+    speculation: SpeculationStats | None = None
+    """What speculative decoding did for the action (``None``: sampled without)."""
 
 
 @dataclass
@@ -115,10 +119,13 @@ class AgentTrajectory:
         return self.turns[0].policy_version
 
     def teacher_gap(self) -> tuple[float, int]:
-        """OPD: Σ_t (log π_T − log π_θk) over the teacher-scored action tokens, and their count (Eq. 8's A)."""
+        """OPD: Σ_t (log π_T − log π_θk) over the teacher-scored action tokens, and their count (Eq. 8's A); turns
+        sampled with speculative decoding, whose engine log-probs are not trusted, count nothing."""
         total, count = 0.0, 0
         for index, teacher in self.teacher_logprobs.items():
             sampled = self.turns[index].action_logprobs
+            if sampled is None:
+                continue
             total += float(teacher.double().sum()) - sum(sampled)
             count += len(sampled)
         return total, count
@@ -294,6 +301,7 @@ class AgentLoop:
             generation.finish_reason,
             generation_seconds,
             0.0,
+            generation.speculation,
         )
         trajectory.turns.append(partial)
         if on_turn is not None:

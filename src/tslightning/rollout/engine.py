@@ -17,6 +17,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from tslightning.rollout.speculative import SpeculationStats
+
 
 def sampling_seed(run_seed: int, update: int, task_id: str, trajectory: int, turn: int) -> int:
     """A 63-bit sampling seed from (run seed, update, task, trajectory, turn), never from arrival order (App. D.2)."""
@@ -54,17 +56,23 @@ class Generation:
 
     Attributes:
         token_ids: The sampled ids, including the stop token when one ended the turn.
-        logprobs: log π_θk of each sampled id under the sampling distribution, ``len(logprobs) == len(token_ids)``.
+        logprobs: log π_θk of each sampled id under the sampling distribution, ``len(logprobs) == len(token_ids)``;
+            ``None`` when the engine cannot vouch for them (speculative decoding: what vLLM reports for accepted
+            draft tokens is not the sampling distribution's). Nothing in training reads them: the learner scores
+            the sampled ids itself.
         finish_reason: ``stop`` (a stop token) or ``length`` (``max_tokens`` reached).
         policy_version: Version k of the weights that sampled every token.
+        timing: Seconds spent, by phase (engine-specific keys).
+        speculation: What speculative decoding did for this request (``None``: it was sampled without).
     """
 
     request_id: str
     token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    logprobs: tuple[float, ...] | None
     finish_reason: Literal["stop", "length"]
     policy_version: int
     timing: Mapping[str, float] = field(default_factory=dict)
+    speculation: SpeculationStats | None = None
 
 
 @dataclass(frozen=True)

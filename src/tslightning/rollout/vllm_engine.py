@@ -27,13 +27,10 @@ import contextlib
 import itertools
 import os
 import queue
-import random
-import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -47,6 +44,13 @@ from tslightning.rollout.engine import (
     WeightStream,
     validate_request,
     weight_stream,
+)
+from tslightning.rollout.speculative import SpeculationStats, SpeculativeSettings
+from tslightning.rollout.vllm_host_state import (
+    HostState,
+    contain_vllm_side_effects,
+    engine_environment,
+    scoped_environment,
 )
 from tslightning.rollout.vllm_prefill import CPU_IN_PROCESS_STEP_TOKENS, prefill_settings
 from tslightning.rollout.vllm_worker_extension import SharedWeights
@@ -83,6 +87,8 @@ class VLLMRolloutEngine(QueuedEngine):
             (the first visible GPU).
         policy_version: Version of the checkpoint's weights.
         publish_timeout: Seconds ``publish`` waits for the reload (it includes batches still running).
+        speculative: Lossless model-free speculative decoding (``rollout.speculative``): generations then carry
+            acceptance counts and no log-probs (:mod:`~tslightning.rollout.speculative`).
         **llm_kwargs: Any other ``vllm.LLM`` argument.
     """
 
@@ -103,6 +109,7 @@ class VLLMRolloutEngine(QueuedEngine):
         gpus: Sequence[int] | None = None,
         policy_version: int = 0,
         publish_timeout: float = 600.0,
+        speculative: SpeculativeSettings | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if in_process and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -116,12 +123,18 @@ class VLLMRolloutEngine(QueuedEngine):
                 "would rebind the learner's threads and cannot change the GPUs a running process sees)"
             )
         self._dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self._host = _HostState.capture() if in_process else None
+        self.speculative = speculative
+        if speculative is not None:
+            llm_kwargs |= {
+                "speculative_config": speculative.vllm_config(),
+                "per_request_spec_decode_metrics": "summary",
+            }
+        self._host = HostState.capture() if in_process else None
         try:
             self._llm = _start_llm(
                 in_process,
                 kv_cache_memory_bytes,
-                _engine_environment(in_process, cpus, gpus),
+                engine_environment(in_process, cpus, gpus),
                 model=str(model_path),
                 dtype=str(self._dtype).removeprefix("torch."),
                 seed=seed,
@@ -326,9 +339,12 @@ class VLLMRolloutEngine(QueuedEngine):
             raise RolloutEngineError(
                 f"vLLM sampled {request.request_id!r} at weight version(s) {versions}, not {self._policy_version}"
             )
+        timing, version = {"generate_s": seconds}, self._policy_version
+        if self.speculative is not None:  # drafted tokens' reported log-probs are not the sampling distribution's
+            drafted = SpeculationStats.from_request_metrics(completion.spec_decode_metrics)
+            return Generation(request.request_id, ids, None, completion.finish_reason, version, timing, drafted)
         logprobs = tuple(completion.logprobs[i][token].logprob for i, token in enumerate(ids))
-        timing = {"generate_s": seconds}
-        return Generation(request.request_id, ids, logprobs, completion.finish_reason, self._policy_version, timing)
+        return Generation(request.request_id, ids, logprobs, completion.finish_reason, version, timing)
 
     def _sampling(self, request: GenerationRequest) -> Any:
         return self._sampling_params(
@@ -339,7 +355,7 @@ class VLLMRolloutEngine(QueuedEngine):
             max_tokens=request.max_tokens,
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=True,  # stop only on the request's stop tokens, like the HF engine
-            logprobs=0,  # just the sampled token's log-prob
+            logprobs=0 if self.speculative is None else None,  # 0: just the sampled token's log-prob
             detokenize=False,
             output_kind=self._final_only,  # one output per request, when it finishes
         )
@@ -398,102 +414,5 @@ def _start_llm(
         **prefill_settings(current_platform.is_cpu(), kwargs["max_model_len"], CPU_IN_PROCESS_STEP_TOKENS),
         **kwargs,
     }
-    with _contain_vllm_side_effects(), _environment(environment):
+    with contain_vllm_side_effects(), scoped_environment(environment):
         return vllm.LLM(kv_cache_memory_bytes=kv_cache_memory_bytes, **kwargs)
-
-
-_LEARNER_RANK_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
-"""The learner's torch.distributed environment: a vLLM process of its own starts its own one-rank group instead."""
-
-
-def _engine_environment(
-    in_process: bool, cpus: Sequence[int] | None, gpus: Sequence[int] | None
-) -> dict[str, str | None]:
-    """Environment changes vLLM's engine process is started with (``None``: removed); none in process."""
-    if in_process:
-        return {}
-    environment: dict[str, str | None] = dict.fromkeys(_LEARNER_RANK_VARIABLES)
-    if cpus is not None:
-        environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus)
-    if gpus is not None:
-        environment["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    return environment
-
-
-@contextlib.contextmanager
-def _environment(changes: Mapping[str, str | None]) -> Iterator[None]:
-    """Apply ``changes`` to ``os.environ`` while vLLM spawns its engine process (which inherits them), then undo."""
-    saved = {name: os.environ.get(name) for name in changes}
-    try:
-        for name, value in changes.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@dataclass(frozen=True)
-class _HostState:
-    """What an in-process vLLM engine changes in the host process and keeps while it runs; restored on close."""
-
-    environ: dict[str, str]
-    excepthook: Any
-
-    @classmethod
-    def capture(cls) -> _HostState:
-        return cls(dict(os.environ), sys.excepthook)
-
-    def restore(self) -> None:
-        with contextlib.suppress(ImportError):
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            # Destroys the torch.distributed group vLLM started here, unfreezes the GC, clears vLLM's env cache.
-            cleanup_dist_env_and_memory()
-        for name in set(os.environ) - set(self.environ):
-            del os.environ[name]
-        os.environ.update(self.environ)
-        sys.excepthook = self.excepthook
-
-
-@contextlib.contextmanager
-def _contain_vllm_side_effects() -> Iterator[None]:
-    """Undo what vLLM's in-process CPU worker does to the host process: reseeded RNGs, a disabled set_num_threads."""
-    set_num_threads, python_state = torch.set_num_threads, random.getstate()
-    numpy_state = _numpy_random_state()
-    # This process's device only: forking every visible GPU's generator would open a CUDA context on each.
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            torch.set_num_threads = set_num_threads
-            random.setstate(python_state)
-            if numpy_state is not None:
-                import numpy
-
-                numpy.random.set_state(numpy_state)
-
-
-def _numpy_random_state() -> Any:
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy.random.get_state()

@@ -276,8 +276,15 @@ def checked_pairs(source: WeightSource, meta: list[ParamMeta]) -> Iterator[tuple
 
 
 class GlooTransferWorkerExtension:
-    """A vLLM worker extension (``--worker-extension-cls``) adding no methods: vLLM imports its module in every worker
-    before the model loads, which registers the ``tslightning_gloo`` backend there."""
+    """A vLLM worker extension (``--worker-extension-cls``): vLLM imports its module in every worker before the model
+    loads, which registers the ``tslightning_gloo`` backend there."""
+
+    def tslightning_sampler_is_exact(self) -> bool:
+        """Whether this worker's rejection sampler keeps the sampling distribution (``POST /collective_rpc``; see
+        :mod:`tslightning.rollout.vllm_cpu_sampling`)."""
+        from tslightning.rollout.vllm_cpu_sampling import sampler_is_exact
+
+        return sampler_is_exact()
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

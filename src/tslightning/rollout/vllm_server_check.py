@@ -1,13 +1,15 @@
 """What a vLLM server must offer before the ``vllm_server`` engine uses it, checked before training starts.
 
 :func:`reachability_problems` (run by ``fit``'s preflight, before anything is written) asks each URL of
-``rollout.server_urls`` for ``/v1/models``. :func:`server_problems` (run when the engine starts, before θ_0 is
+``rollout.server_urls`` for ``/v1/models`` (and :func:`speculative_server_problems` for how each speculates).
+:func:`server_problems` (run when the engine starts, before θ_0 is
 published) checks what the protocol needs: the weight-sync routes (``VLLM_SERVER_DEV_MODE=1``), the token-in/token-out
 route (``--enable-scale-out``), the weight-transfer backend, log-probs of the sampling distribution
 (``--logprobs-mode processed_logprobs``), the context length, the dtype, and that the server serves the same model —
-its tokenizer encodes a probe like the policy's does. Every problem is one line naming ``rollout.server_urls`` and
-the fix. Plain HTTP (``requests``, imported when a server is asked: it comes with vLLM); this module imports no vLLM,
-so the settings can use it in any install.
+its tokenizer encodes a probe like the policy's does — and, under ``rollout.speculative``, that it speculates with the
+run's drafter through an exact sampler (:mod:`~tslightning.rollout.speculative`). Every problem is one line naming
+``rollout.server_urls`` and the fix. Plain HTTP (``requests``, imported when a server is asked: it comes with vLLM);
+this module imports no vLLM, so the settings can use it in any install.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from tslightning.rollout.speculative import SpeculativeSettings, speculative_problems
 from tslightning.rollout.vllm_prefill import CPU_SERVER_STEP_TOKENS, prefill_flags, vllm_runs_on_cpu
 
 PROBE_TEXT = "Count the lines in file.txt, then print the first error."
@@ -45,6 +48,7 @@ def server_command(
     extra: Sequence[str] = (),
     lora_rank: int | None = None,
     cpu: bool | None = None,
+    speculative: SpeculativeSettings | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM server the ``vllm_server`` engine can use.
 
@@ -55,7 +59,8 @@ def server_command(
     runtime up to that rank (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), which LoRA runs publish.
     ``cpu``: the server runs on vLLM's CPU platform (``None``: ask vLLM on this machine, where the server starts);
     it then prefills prompts whole (:mod:`~tslightning.rollout.vllm_prefill`: chunked prefill crashes seeded turns
-    there). ``extra`` flags come last and win.
+    there). ``speculative`` (``rollout.speculative``): the drafter and its batch-size schedule, with per-request
+    acceptance counts. ``extra`` flags come last and win.
     """
     backend = BACKENDS[transport]
     command = [
@@ -71,6 +76,8 @@ def server_command(
         served = min((rank for rank in MAX_LORA_RANKS if rank >= lora_rank), default=lora_rank)
         command += ["--enable-lora", "--max-lora-rank", str(served)]
         environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if speculative is not None:
+        command += speculative.server_flags()
     return command + list(extra), environment
 
 
@@ -134,12 +141,14 @@ class Expected:
         dtype: The serving dtype (``float32``, ``bfloat16``, ...).
         context_tokens: Longest prompt plus completion a trajectory can reach.
         probe_ids: The policy tokenizer's ids for :data:`PROBE_TEXT`.
+        speculative: The run's ``rollout.speculative`` (``None``: the server must not speculate).
     """
 
     backend: str
     dtype: str
     context_tokens: int
     probe_ids: tuple[int, ...]
+    speculative: SpeculativeSettings | None = None
 
 
 def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> list[str]:
@@ -167,7 +176,10 @@ def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> li
         generate = session.post(f"{url}/inference/v1/generate", json=probe, timeout=timeout_s)
     except (requests.RequestException, ValueError, KeyError, IndexError) as error:
         return [f"rollout.server_urls: {url} did not answer like a vLLM server ({type(error).__name__}: {error})"]
-    problems = _config_problems(url, info.json()["vllm_config"], expected)
+    config = info.json()["vllm_config"]
+    problems = _config_problems(url, config, expected)
+    if expected.speculative is not None and not problems and (config.get("device_config") or {}).get("device") == "cpu":
+        problems += _sampler_problems(url, session, timeout_s)  # GPUs run vLLM's Triton sampler
     if tuple(tokens) != expected.probe_ids:
         problems.append(
             f"rollout.server_urls: {url} serves another model ({served.get('root') or served.get('id')}): its "
@@ -182,10 +194,45 @@ def server_problems(url: str, expected: Expected, timeout_s: float = 30.0) -> li
     return problems
 
 
+def speculative_server_problems(
+    urls: Sequence[str], settings: SpeculativeSettings | None, timeout_s: float = 10.0
+) -> list[str]:
+    """Each server of ``urls`` that answers ``/server_info`` but speculates otherwise than ``settings`` (``fit``'s
+    preflight; an unreachable server is :func:`reachability_problems`' to report)."""
+    import requests
+
+    problems = []
+    for url in urls:
+        try:
+            info = f"{url.rstrip('/')}/server_info"
+            response = requests.get(info, params={"config_format": "json"}, timeout=timeout_s)
+            config = response.json()["vllm_config"] if response.status_code == 200 else None
+        except (requests.RequestException, ValueError, KeyError):
+            config = None
+        if config is not None:
+            problems += speculative_problems(url, config, settings)
+    return problems
+
+
+def _sampler_problems(url: str, session: Any, timeout_s: float) -> list[str]:
+    """A speculating server whose workers' rejection sampler is not exact (vLLM's CPU platform without
+    tslightning's plugin, :mod:`~tslightning.rollout.vllm_cpu_sampling`)."""
+    body = {"method": "tslightning_sampler_is_exact"}
+    response = session.post(f"{url}/collective_rpc", json=body, timeout=timeout_s)
+    results = response.json().get("results") if response.status_code == 200 else None
+    if results and all(str(result) == "True" for result in results):
+        return []
+    return [
+        f"rollout.server_urls: {url} speculates through a rejection sampler that does not keep the policy's "
+        "distribution (vLLM's CPU expand fallback, or a server without tslightning's worker extension): install "
+        "tslightning where the server runs (its vLLM plugin repairs the sampler) and restart it"
+    ]
+
+
 def _config_problems(url: str, config: dict[str, Any], expected: Expected) -> list[str]:
     model = config["model_config"]
     backend = (config.get("weight_transfer_config") or {}).get("backend")
-    problems = []
+    problems = speculative_problems(url, config, expected.speculative)
     if backend != expected.backend:
         problems.append(
             f"rollout.server_urls: {url} runs weight-transfer backend {backend!r}, rollout.server_transport needs "

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,6 +65,7 @@ from tslightning.rollout.engine import (
     weight_stream,
 )
 from tslightning.rollout.session_routing import SessionRouter
+from tslightning.rollout.speculative import SpeculativeSettings
 from tslightning.rollout.vllm_server_adapter import (
     AdapterSpec,
     adapter_name,
@@ -122,6 +123,8 @@ class VLLMServerEngine(QueuedEngine):
             other ranks :meth:`follow` its :meth:`served`); ``follower`` (another rank: it never publishes, starts
             serving at ``policy_version`` — create it once the publisher published θ_0 — and has no ``replicas``).
         rank: This learner rank: its router's ties start at server ``rank`` (ranks start spread over the servers).
+        speculative: ``rollout.speculative``: every server must speculate with these settings through an exact
+            sampler (checked at start); generations then carry acceptance counts and no log-probs.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class VLLMServerEngine(QueuedEngine):
         adapter: AdapterSpec | None = None,
         sharing: Literal["none", "publisher", "follower"] = "none",
         rank: int = 0,
+        speculative: SpeculativeSettings | None = None,
     ) -> None:
         problems = url_problems(urls)
         if problems:
@@ -148,7 +152,8 @@ class VLLMServerEngine(QueuedEngine):
         self._vocab_size = int(json.loads((self._policy_dir / "config.json").read_text())["vocab_size"])
         self._context_tokens = context_tokens
         self._dtype = getattr(torch, dtype)
-        expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir))
+        expected = Expected(BACKENDS[transport], dtype, context_tokens, _probe_ids(self._policy_dir), speculative)
+        self.speculative = speculative
         self._expected, self._transport, self.replicas = expected, transport, replicas
         self._generations = {i: g for i, (g, _) in replicas.serving().items()} if replicas is not None else {}
         problems = [problem for url in self.urls for problem in server_problems(url, expected, min(timeout_s, 60))]
@@ -402,7 +407,8 @@ class VLLMServerEngine(QueuedEngine):
             ticket, start = None, time.perf_counter()
             try:
                 # vLLM's ids must be unique among requests in flight; the caller's may repeat across updates.
-                body = generate_body(request, f"{request.request_id}#{next(self._sent)}", model)
+                request_id, logprobs = f"{request.request_id}#{next(self._sent)}", self.speculative is None
+                body = generate_body(request, request_id, model, logprobs)
                 answer = self._post(self.urls[server], body)
                 break
             except ServerGone as gone:
@@ -411,15 +417,8 @@ class VLLMServerEngine(QueuedEngine):
                 with self._gate:
                     self._router.done(server)
                     self._gate.notify_all()
-        generation = checked_generation(request, answer, version, model, self.urls[server])
-        return Generation(
-            generation.request_id,
-            generation.token_ids,
-            generation.logprobs,
-            generation.finish_reason,
-            generation.policy_version,
-            {"request_s": time.perf_counter() - start, "server": float(server)},
-        )
+        generation = checked_generation(request, answer, version, model, self.urls[server], logprobs)
+        return replace(generation, timing={"request_s": time.perf_counter() - start, "server": float(server)})
 
     def _drop(self, server: int, gone: ServerGone) -> None:
         """Serve without ``server`` from now on; fail the engine when it was the last one."""

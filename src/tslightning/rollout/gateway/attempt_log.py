@@ -52,7 +52,7 @@ class AttemptLog:
                 "prompt_tokens": len(continuation.prompt_ids),
                 "new_prompt_tokens": len(continuation.new_ids),
                 "sampled_ids": list(turn.action_token_ids),
-                "logprobs": list(turn.action_logprobs),
+                "logprobs": None if turn.action_logprobs is None else list(turn.action_logprobs),
                 "finish_reason": turn.finish_reason,
                 "seconds": round(seconds, 4),
             },

@@ -77,6 +77,7 @@ class HarnessTrajectory(AgentTrajectory):
             generation.finish_reason,
             seconds,
             0.0,
+            generation.speculation,
         )
         self.turns.append(turn)
         return turn

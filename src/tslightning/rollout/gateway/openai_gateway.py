@@ -216,6 +216,14 @@ class OpenAIGateway:
                 raise GatewayError(
                     404, "model_not_found", f"model {body['model']!r} is not served here; use {self.model_name!r}"
                 )
+            if call.logprobs and getattr(self.engine, "speculative", None) is not None:
+                raise GatewayError(
+                    400,
+                    "invalid_value",
+                    "logprobs are not served: this run samples with speculative decoding (rollout.speculative), whose "
+                    "reported log-probs are not the sampling distribution's; ask without logprobs",
+                    "logprobs",
+                )
             async with session.call_lock:
                 answer = await self._turn(session, call)
         except GatewayError as error:
