@@ -122,15 +122,18 @@ def bench(
     json: str | None = None,
     pictures: bool = True,
     repeats: int = 1,
+    variants: dict[str, list[str]] | None = None,
 ) -> None:
-    """Run one workload under each schedule side by side and print the comparison (SPEC §4; App. B, F).
+    """Run one workload under each schedule side by side and print the comparison (App. B, F).
 
     Usage: ``tslightning bench --config configs/bench_balanced.yaml --schedules sync,thundersync --updates 10
     --warmup 2 --json runs/bench/bench.json`` (``--config`` names the fit config: it is ``--fit_config``). Each
     schedule runs the config as its own ``tslightning fit`` process, one after another; the table gives, over the
     updates after ``warmup``, the mean step time, the speedup vs sync (ratio of means), the trace-replay predicted
     speedup, trainer active MFU, learner service time (and its ratio to sync's), learner and rollout idle
-    fractions, the rollout/learner ratio r, policy lag, peak learner memory and mean reward.
+    fractions, the rollout/learner ratio r, policy lag, peak learner memory and mean reward; then each run's rollout
+    tail (τ, its share of the step, the tail's tokens per second, speculative decoding's acceptance) and every
+    thundersync step against every async step.
 
     Args:
         fit_config: The ``tslightning fit`` config of the workload (a ``configs/bench_*.yaml``); ``--config`` too.
@@ -146,6 +149,9 @@ def bench(
         repeats: Runs of every schedule, in alternating order (forward, reversed, ...), pooled into each row: a
             drift in the machine's speed over the bench then cancels instead of favouring the schedules run first;
             each repeat's own speedups are printed beside the table.
+        variants: Named sets of further ``fit`` arguments; every schedule runs once per variant, e.g. ``{"off":
+            ["--rollout.server_urls=[http://127.0.0.1:8000]"], "spec": ["--rollout.server_urls=[http://127.0.0.1:8001]",
+            "--rollout.speculative.method=ngram"]}``. Speedups compare runs of the same variant.
     """
     from tslightning.commands.bench import bench as run_bench
     from tslightning.commands.bench import format_table, write_pictures
@@ -160,6 +166,7 @@ def bench(
             latency_scales,
             fit_args,
             repeats,
+            variants,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"bench: {error}", file=sys.stderr)
@@ -251,7 +258,7 @@ def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str 
     algorithm = arguments["algorithm"]
     planned = planned_memory(
         config, arguments["objective"], arguments["schedule"], arguments["model"], arguments["rollout"], learner,
-        algorithm.group_admission_cap, algorithm.sync_micro_batch_size, available, algorithm.optimizer.state_dtype,
+        algorithm.group_admission_cap, algorithm.micro_batch_size, available, algorithm.optimizer.state_dtype,
     )  # fmt: skip
     print(plan_report(planned.plan, planned.shape, gpu_memory_gb, learner.activation_checkpointing))
 
@@ -351,7 +358,8 @@ def _refuse_moved_keys(args: list[str]) -> None:
             renames.append(f"{name} → --{moved_key(name[2:])}")
     if renames:
         raise CommandLineError(
-            f"fit's learning-algorithm settings moved under `algorithm` in 0.1.0: rename {', '.join(renames)}"
+            f"fit's learning-algorithm settings moved under `algorithm` (some renamed) in 0.1.0: rename "
+            f"{', '.join(renames)}"
         )
 
 
@@ -363,7 +371,11 @@ def _moved_config_keys(config: str) -> list[str]:
         return []  # not a readable YAML file: jsonargparse reports it
     if isinstance(settings, dict) and isinstance(settings.get("fit"), dict):
         settings = settings["fit"]
-    return [key for key in settings if moved_key(str(key))] if isinstance(settings, dict) else []
+    if not isinstance(settings, dict):
+        return []
+    algorithm = settings.get("algorithm") if isinstance(settings.get("algorithm"), dict) else {}
+    nested = [f"algorithm.{key}" for key in algorithm if moved_key(f"algorithm.{key}")]
+    return [key for key in settings if moved_key(str(key))] + nested
 
 
 def _positional_task_dir(args: list[str]) -> list[str]:

@@ -171,3 +171,30 @@ def test_repeats_alternate_the_run_order_and_pair_ratios_repeat_by_repeat(tmp_pa
     assert "per repeat (run order alternates) speedup 2.000x, 1.600x" in format_table([sync, streamed])
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         bench(str(CONFIG), ["sync"], 3, 1, str(tmp_path), repeats=0)
+
+
+def test_variants_run_every_schedule_each_with_its_overrides_and_own_sync(tmp_path, monkeypatch):
+    import tslightning.commands.bench as bench_module
+
+    runs = []
+    step_of = {("sync", "off"): 8.0, ("thundersync", "off"): 5.0, ("async", "off"): 4.0}
+    step_of |= {("sync", "spec"): 6.0, ("thundersync", "spec"): 3.0, ("async", "spec"): 3.5}
+
+    def fake_fit(config, schedule, updates, run_dir, overrides):
+        variant = run_dir.name.split("-", 1)[1]
+        runs.append((schedule, variant, tuple(overrides)))
+        _write_run(run_dir, steps=(9.0, step_of[schedule, variant], step_of[schedule, variant]))
+
+    monkeypatch.setattr(bench_module, "_run_fit", fake_fit)
+    variants = {"off": ["--rollout.server_urls=[http://a:1]"], "spec": ["--rollout.speculative.method=ngram"]}
+    measured = bench(
+        str(CONFIG), ["sync", "thundersync", "async"], 3, 1, str(tmp_path), overrides=["--x=1"], variants=variants
+    )
+    assert [(s, v) for s, v, _ in runs] == [(s, v) for v in ("off", "spec") for s in ("sync", "thundersync", "async")]
+    assert all(overrides == ("--x=1", *variants[v]) for _, v, overrides in runs)
+    by_run = {(m.schedule, m.variant): m for m in measured}
+    assert by_run["thundersync", "spec"].speedup_vs_sync == pytest.approx(6.0 / 3.0)  # against sync of its variant
+    table = format_table(measured)
+    assert "thundersync-spec / async-off: 0.750x the step" in table and "tail/step" in table
+    with pytest.raises(ValueError, match="variants"):
+        bench(str(CONFIG), ["sync"], 3, 1, str(tmp_path), variants={"a b": []})

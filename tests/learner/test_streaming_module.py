@@ -192,7 +192,7 @@ def test_exactly_one_optimizer_step_per_logical_batch(make_policy, vocab_size, s
 
 def test_sync_micro_batches_hold_sequences_of_similar_length(make_policy, vocab_size):
     """The baseline sorts sources by length before padding them together, so it is not slowed by padding."""
-    module = StreamingPolicyModule(make_policy(), schedule="sync", sync_micro_batch_size=2)
+    module = StreamingPolicyModule(make_policy(), schedule="sync", micro_batch_size=2)
     batch = grpo_batch(vocab_size, seed=3)
     ingest_all(module, batch.stream())
     module.barrier(module.configure_optimizers())

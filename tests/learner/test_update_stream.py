@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tslightning.core.replay_batches import WorkloadShape, synthetic_grpo_batch
 from tslightning.core.sources import SourceError
 from tslightning.learner.streaming_module import StreamingPolicyModule
-from tslightning.learner.update_stream import update_items
+from tslightning.learner.update_stream import update_backlogs
 
 SHAPE = WorkloadShape(num_groups=2, group_size=2, max_turns=1, prompt_tokens=(3, 5), action_tokens=(2, 3))
 
@@ -63,16 +63,16 @@ def test_a_lazy_update_per_batch_is_stamped_after_the_previous_step(make_policy,
 def test_the_update_stream_is_checked_in_order():
     batch = synthetic_grpo_batch(64, 0, torch.Generator().manual_seed(0), SHAPE)
     items = list(batch.stream())
-    assert list(update_items(items, under_trainer=True)) == items
+    assert [item for ready in update_backlogs(items, under_trainer=True) for item in ready] == items
     with pytest.raises(SourceError, match="an update's stream starts with its BatchPlan"):
-        list(update_items(items[1:], under_trainer=True))
+        list(update_backlogs(items[1:], under_trainer=True))
     with pytest.raises(SourceError, match="ended before its BatchClosed"):
-        list(update_items(items[:-1], under_trainer=True))
+        list(update_backlogs(items[:-1], under_trainer=True))
     with pytest.raises(SourceError, match="continues after BatchClosed with a BatchPlan; one batch holds exactly one"):
-        list(update_items(items + [items[0]], under_trainer=True))
+        list(update_backlogs(items + [items[0]], under_trainer=True))
     with pytest.raises(SourceError, match="training_step got a int"):
-        list(update_items(3, under_trainer=False))
-    assert list(update_items(items[0], under_trainer=False)) == [items[0]]  # a Fabric loop's one item per call
+        list(update_backlogs(3, under_trainer=False))
+    assert list(update_backlogs(items[0], under_trainer=False)) == [[items[0]]]  # a Fabric loop's one item per call
 
 
 def test_one_item_per_trainer_batch_warns_that_steps_count_items(make_policy, vocab_size, tmp_path, monkeypatch):

@@ -60,8 +60,9 @@ def test_on_a_gpu_vllm_runs_in_its_own_process_on_the_learners_gpu(started, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    startup._start_vllm(VLLMSettings(), "policy", "bfloat16", None, RankPlacement(0, 1), 1, 1024)
-    startup._start_vllm(VLLMSettings(gpus=[6, 7]), "policy", "bfloat16", None, RankPlacement(1, 2), 2, 1024)
+    startup._start_vllm(RolloutSettings(), "policy", "bfloat16", None, RankPlacement(0, 1), 1, 1024)
+    rollout = RolloutSettings(vllm=VLLMSettings(gpus=[6, 7]))
+    startup._start_vllm(rollout, "policy", "bfloat16", None, RankPlacement(1, 2), 2, 1024)
     (alone, placed) = started
     assert alone["in_process"] is False and alone["gpus"] == ["5"]  # the learner's GPU, never the node's first
     assert placed["in_process"] is False and placed["gpus"] == [7]
@@ -69,5 +70,5 @@ def test_on_a_gpu_vllm_runs_in_its_own_process_on_the_learners_gpu(started, monk
 
 def test_on_a_cpu_one_rank_keeps_vllm_in_process(started, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    startup._start_vllm(VLLMSettings(), "policy", "float32", None, RankPlacement(0, 1), 1, 1024)
+    startup._start_vllm(RolloutSettings(), "policy", "float32", None, RankPlacement(0, 1), 1, 1024)
     assert started[0]["in_process"] is True and started[0]["gpus"] is None

@@ -182,3 +182,45 @@ def test_a_straggler_calls_take_the_tail_factor_longer_and_waves_has_none():
 def test_bad_tail_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         settings(**{field: value})
+
+
+def test_long_decode_logs_the_reads_of_a_seeded_share_of_the_tasks():
+    profile = settings(num_tasks=20, arrival="long_decode", tail_fraction=0.1)
+    tasks = simulated_tasks(profile)
+    logging = [t for t in tasks if t.log_note]
+    assert len(logging) == 2 and logging == [t for t in simulated_tasks(profile) if t.log_note]  # seeded
+    assert [
+        t.task_id for t in simulated_tasks(settings(num_tasks=20, arrival="long_decode", seed=1)) if t.log_note
+    ] != [t.task_id for t in logging]
+    assert len(logging[0].log_note) == 72 and f'{GAUGE_COMMAND} --log "{logging[0].log_note}"' in logging[0].instruction
+    assert len([t for t in simulated_tasks(settings(num_tasks=4, arrival="long_decode")) if t.log_note]) == 1
+    assert not any(t.log_note for t in simulated_tasks(settings(num_tasks=20, arrival="long_tail")))
+
+
+def test_a_logging_trajectory_generates_about_two_and_a_half_times_the_tokens():
+    from tslightning.models.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    profile = settings(num_tasks=8, arrival="long_decode")
+    plain_profile = settings(num_tasks=8)
+    for logging, plain in zip(simulated_tasks(profile), simulated_tasks(plain_profile), strict=True):
+        if not logging.log_note:
+            continue
+        (long_demo,) = gauge_demonstrations([logging], profile, near_misses=False)
+        (short_demo,) = gauge_demonstrations([plain], plain_profile, near_misses=False)
+        generated = [sum(len(tokenizer.encode(a)) + 1 for a, _ in demo.turns) for demo in (long_demo, short_demo)]
+        assert 2.2 <= generated[0] / generated[1] <= 3.0, generated
+
+
+def test_a_logging_read_counts_however_the_note_was_copied_and_latencies_are_unchanged():
+    profile = settings(num_tasks=8, arrival="long_decode", tail_fraction=1.0)
+    task = simulated_tasks(profile)[1]  # two reads
+    attempt = SimulatedToolAttempt(task, profile, 0)
+    attempt.run_command(task.read_command)
+    attempt.run_command(f'{GAUGE_COMMAND} --log "The read-gau')  # a garbled copy is still a read
+    assert attempt.run_command("ls").exit_code == 127
+    assert attempt.calls == 2 and attempt.verify() == 1.5
+    plain = SimulatedToolAttempt(simulated_tasks(settings(num_tasks=8))[1], settings(num_tasks=8), 0)
+    assert [attempt.call_latency(c) for c in range(3)] == [plain.call_latency(c) for c in range(3)]
+    strict = SimulatedToolAttempt(simulated_tasks(settings(num_tasks=8))[2], settings(num_tasks=8), 0)
+    assert strict.run_command(f"{GAUGE_COMMAND} --log x").exit_code == 127  # other profiles: the exact command only

@@ -30,8 +30,11 @@ class ReleaseTraceRecorder(UpdateCallback):
     Source records: ``update`` (k), ``rank``, ``task`` (``None`` unless the datamodule knows it), ``group``,
     ``trajectory``, ``turn`` (``None`` for a GRPO trajectory), ``kind``, ``policy_version``, ``ready_time`` τ_j,
     ``service_start``/``service_end``, ``scored_tokens``, ``tokens`` (context included) and ``deferred_completion``
-    (``None``: the context-recompute learner defers no work). Update records: ``update``, ``rank``, ``rollout_close``
-    R, ``learner_service_s``, ``barrier_s``, ``publication_s``, ``update_end`` and ``num_sources``.
+    (``None``: the context-recompute learner defers no work); with a datamodule, how its actions were generated:
+    ``generated_tokens``, ``generation_s`` (its requests' seconds) and speculative decoding's ``spec_steps``,
+    ``spec_drafted``, ``spec_accepted`` (``None``: sampled without speculation). Update records: ``update``,
+    ``rank``, ``rollout_close`` R, ``learner_service_s``, ``barrier_s``, ``publication_s``, ``update_end`` and
+    ``num_sources``.
 
     It reads ``publication_s`` from the :class:`~tslightning.callbacks.WeightPublisher`, so it refuses to come
     before one in the callbacks.
@@ -120,7 +123,7 @@ class ReleaseTraceRecorder(UpdateCallback):
         return file
 
     def _records(self, trainer: Any, module: Any, k: int, end: float) -> list[dict[str, Any]]:
-        ready, tasks, rollout_close, rollout_start = self._readiness()
+        ready, trajectories, rollout_close, rollout_start = self._readiness()
         if rollout_start is not None:  # the datamodule's first rollout request is the exact time origin
             end += self._origin - rollout_start
             self._origin = rollout_start
@@ -130,11 +133,12 @@ class ReleaseTraceRecorder(UpdateCallback):
         for r in getattr(module, "service_log", None) or ():
             start, stop = r.start - self._origin, r.end - self._origin
             key = (r.kind, r.group_id, r.trajectory_index, r.turn_index)
+            trajectory = trajectories.get((r.group_id, r.trajectory_index))
             sources.append(
                 {
                     "record": "source",
                     **update,
-                    "task": tasks.get((r.group_id, r.trajectory_index)),
+                    "task": None if trajectory is None else trajectory.task_id,
                     "group": r.group_id,
                     "trajectory": r.trajectory_index,
                     "turn": r.turn_index,
@@ -146,6 +150,7 @@ class ReleaseTraceRecorder(UpdateCallback):
                     "scored_tokens": r.scored_tokens,
                     "tokens": r.tokens,
                     "deferred_completion": None,
+                    **(_generation(trajectory, r.turn_index) if trajectory is not None else {}),
                 }
             )
         publication = self.publication(trainer, module, k)
@@ -166,8 +171,8 @@ class ReleaseTraceRecorder(UpdateCallback):
         }
         return [*sources, summary]
 
-    def _readiness(self) -> tuple[dict[tuple, float], dict[tuple, str], float | None, float | None]:
-        """τ_j per (kind, group, trajectory, turn), task per (group, trajectory), R, and the update's start
+    def _readiness(self) -> tuple[dict[tuple, float], dict[tuple, Any], float | None, float | None]:
+        """τ_j per (kind, group, trajectory, turn), the trajectory per (group, trajectory), R, and the update's start
         (``perf_counter``), from the datamodule."""
         if self.datamodule is None:
             return {}, {}, None, None
@@ -186,9 +191,15 @@ class ReleaseTraceRecorder(UpdateCallback):
         }
         self._ready_cursor = closing + 1
         trajectories = getattr(self.datamodule, "trajectories", {}).get(update, [])
-        tasks = {(t.group_id, t.trajectory_index): t.task_id for t in trajectories}
+        by_source = {(t.group_id, t.trajectory_index): t for t in trajectories}
         start = getattr(self.datamodule, "update_starts", {}).get(update)
-        return ready, tasks, log[closing].ready_time, start
+        return ready, by_source, log[closing].ready_time, start
+
+
+def _generation(trajectory: Any, turn: int | None) -> dict[str, Any]:
+    """How a source's actions were generated (a trajectory's, or turn ``turn``'s), when the trajectory can tell."""
+    record = getattr(trajectory, "generation_record", None)
+    return record(turn) if record is not None else {}
 
 
 def _closes(record: Any, version: int | None) -> bool:

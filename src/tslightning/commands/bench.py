@@ -11,7 +11,12 @@ CSV metrics and ``rewards.json`` — the bench reports, over the updates after `
 * policy lag, max and mean over trained sources;
 * the learner process's peak memory;
 * the trace-replay prediction (Eqs. 14-15): the ThunderSync speedup the run's own release trace predicts;
-* the measured rollout/learner ratio r = mean rollout close R / mean learner service L.
+* the measured rollout/learner ratio r = mean rollout close R / mean learner service L;
+* the rollout's tail (:mod:`tslightning.measure.rollout_tail`): τ from the 90th-percentile trajectory's ready time
+  to the last one's, its share of the step, the tail's tokens per second, and speculative decoding's acceptance.
+
+``variants`` runs every schedule once per named set of extra ``fit`` overrides (e.g. speculation off and on, each on
+its own server), side by side in one table; each variant's speedups are against the sync run of the same variant.
 
 A ratio sweep (``latency_scales``) reruns ``sync`` and ``thundersync`` with the simulated tool latency scaled, and
 the Fig. 8-style scatter pairs each thundersync run's measured speedup with its trace-replay prediction.
@@ -26,13 +31,16 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import re
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tslightning.measure.rollout_tail import rollout_tail
 from tslightning.measure.timeline import busy_intervals, plot_timeline, utilization
 from tslightning.measure.trace_file import read_trace
 from tslightning.measure.trace_replay import replay_records
@@ -89,6 +97,16 @@ class ScheduleMeasurement:
     """Sync's step / this schedule's step, repeat by repeat (the spread of ``speedup_vs_sync``)."""
     learner_service_vs_sync_per_repeat: tuple[float, ...] = ()
     """This schedule's learner service / sync's, repeat by repeat."""
+    variant: str = ""
+    """The variant (named set of extra ``fit`` overrides) this run used; ``""``: none."""
+    tail_s: float = math.nan
+    """Mean τ: the 90th-percentile trajectory's ready time to the last one's, per update."""
+    tail_share: float = math.nan
+    """Mean τ / mean step time."""
+    tail_tokens_per_s: float = math.nan
+    """Tokens per second of generation of the trajectories ready in the tail (pooled over the updates)."""
+    acceptance_rate: float = math.nan
+    """Speculative decoding's accepted / drafted tokens over the measured updates (``nan``: none speculated)."""
 
 
 def bench(
@@ -100,6 +118,7 @@ def bench(
     latency_scales: Sequence[float] = (),
     overrides: Sequence[str] = (),
     repeats: int = 1,
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> list[ScheduleMeasurement]:
     """Run ``config`` under each schedule (and the sync/thundersync ratio sweep) and measure every run.
 
@@ -113,22 +132,25 @@ def bench(
             reward check) multiplied by each scale (the rollout/learner ratio sweep).
         overrides: Further ``fit`` command-line overrides for every run (e.g. ``--rollout.replicas=2``).
         repeats: Runs of every schedule, in alternating order (forward, reversed, ...); each measurement pools them.
+        variants: Named sets of further ``fit`` overrides; every schedule runs once per variant (``None``: one run
+            with ``overrides`` only).
     """
-    _check_arguments(schedules, updates, warmup, repeats)
+    _check_arguments(schedules, updates, warmup, repeats, variants)
     base_latencies = _config_latencies(config) if latency_scales else {}
-    runs = [(s, 1.0) for s in schedules]
-    runs += [(s, scale) for scale in latency_scales for s in ("sync", "thundersync")]
-    run_dirs: dict[tuple[str, float], list[Path]] = defaultdict(list)
+    variants = dict(variants) if variants else {"": []}
+    runs = [(s, 1.0, v) for v in variants for s in schedules]
+    runs += [(s, scale, "") for scale in latency_scales for s in ("sync", "thundersync")]
+    run_dirs: dict[tuple[str, float, str], list[Path]] = defaultdict(list)
     for repeat in range(repeats):
-        for schedule, scale in runs if repeat % 2 == 0 else runs[::-1]:  # ABBA: a linear drift cancels
-            name = _run_name(schedule, scale)
+        for schedule, scale, variant in runs if repeat % 2 == 0 else runs[::-1]:  # ABBA: a linear drift cancels
+            name = _run_name(schedule, scale, variant=variant)
             run_dir = Path(out_dir) / (name if repeats == 1 else f"{name}-rep{repeat}")
-            extra = list(overrides)
+            extra = [*overrides, *variants.get(variant, [])]
             if scale != 1.0:
                 extra += [f"--rollout.simulated_tool.{key}={value * scale}" for key, value in base_latencies.items()]
             _run_fit(config, schedule, updates, run_dir, extra)
-            run_dirs[schedule, scale].append(run_dir)
-    measured = [measure_runs(run_dirs[schedule, scale], schedule, warmup, scale) for schedule, scale in runs]
+            run_dirs[schedule, scale, variant].append(run_dir)
+    measured = [measure_runs(run_dirs[run], run[0], warmup, run[1], run[2]) for run in runs]
     return _with_sync_ratios(measured)
 
 
@@ -138,7 +160,7 @@ def measure_run(run_dir: str | Path, schedule: str, warmup: int, latency_scale: 
 
 
 def measure_runs(
-    run_dirs: Sequence[str | Path], schedule: str, warmup: int, latency_scale: float = 1.0
+    run_dirs: Sequence[str | Path], schedule: str, warmup: int, latency_scale: float = 1.0, variant: str = ""
 ) -> ScheduleMeasurement:
     """Measure repeats of one schedule together: means over every run's updates after ``warmup``, fractions of their
     pooled wall time, and the replay prediction as the ratio of the pooled replayed endpoints."""
@@ -153,6 +175,9 @@ def measure_runs(
     lags = [m.get("staleness/max_policy_lag", 0.0) for m in metrics]
     mean_lags = [m.get("staleness/mean_policy_lag", 0.0) for m in metrics]
     service, close = _mean(services), _mean(closes)
+    tails = [t for run in runs for t in run.tails]
+    tail_generation = sum(t.tail_generation_s for t in tails)
+    drafted = sum(t.drafted for t in tails)
     return ScheduleMeasurement(
         schedule=schedule,
         latency_scale=latency_scale,
@@ -178,6 +203,11 @@ def measure_runs(
         repeats=len(runs),
         step_s_per_repeat=tuple(_mean(run.steps) for run in runs),
         learner_service_s_per_repeat=tuple(_mean(run.services) for run in runs),
+        variant=variant,
+        tail_s=_mean([t.tail_s for t in tails]),
+        tail_share=_mean([t.tail_s for t in tails]) / _mean(steps),
+        tail_tokens_per_s=sum(t.tail_tokens for t in tails) / tail_generation if tail_generation > 0 else math.nan,
+        acceptance_rate=sum(t.accepted for t in tails) / drafted if drafted else math.nan,
     )
 
 
@@ -195,6 +225,7 @@ class _RunOutputs:
     replay_async: list[float]
     rewards: list[float]
     peak_memory_mb: float
+    tails: list = ()
 
     @classmethod
     def read(cls, run_dir: Path, warmup: int) -> _RunOutputs:
@@ -218,7 +249,16 @@ class _RunOutputs:
             replay_async=replay.async_ends(warmup=warmup),
             rewards=result["mean_rewards"][warmup:],
             peak_memory_mb=result.get("peak_learner_memory_mb", float("nan")),
+            tails=_tails([r for r in kept if r["record"] == "source"]),
         )
+
+
+def _tails(sources: list[dict]) -> list:
+    """Each measured update's rollout tail (every rank's sources of it together)."""
+    by_update: dict[int, list[dict]] = defaultdict(list)
+    for source in sources:
+        by_update[source["update"]].append(source)
+    return [rollout_tail(by_update[update]) for update in sorted(by_update)]
 
 
 def _pooled_share(runs: Sequence[_RunOutputs], key: str, wall: float) -> float:
@@ -234,7 +274,7 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
     )
     lines = [header, "-" * len(header)]
     for m in measurements:
-        name = _run_name(m.schedule, m.latency_scale, " x")
+        name = _run_name(m.schedule, m.latency_scale, " x", m.variant)
         lines.append(
             f"{name:<18}{m.step_s:>8.3f}{_fmt(m.speedup_vs_sync, 'x'):>9}{m.predicted_speedup:>7.3f}x"
             f"{m.replay_vs_async:>6.3f}x"
@@ -244,7 +284,7 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
         )
     for m in measurements:
         if m.repeats > 1 and m.speedup_per_repeat:
-            name = _run_name(m.schedule, m.latency_scale, " x")
+            name = _run_name(m.schedule, m.latency_scale, " x", m.variant)
             speedups = ", ".join(f"{x:.3f}x" for x in m.speedup_per_repeat)
             service = ", ".join(f"{x:.3f}" for x in m.learner_service_vs_sync_per_repeat)
             lines.append(f"{name}: per repeat (run order alternates) speedup {speedups}; learn s xsync {service}")
@@ -254,7 +294,34 @@ def format_table(measurements: Sequence[ScheduleMeasurement]) -> str:
         "max(R, L) + P (the floor against async for these ready times); learn s: learner service per update "
         "(xsync: vs sync); idle: fraction of wall time; r: rollout close / learner service; lag: max/mean policy lag"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + tail_lines(measurements))
+
+
+def tail_lines(measurements: Sequence[ScheduleMeasurement]) -> list[str]:
+    """The rollout tail of each run, and every thundersync step against every async step (the zero-staleness floor
+    against async, ``ts/as``, beside it)."""
+    header = f"{'run':<26}{'tail s':>8}{'tail/step':>10}{'tail tok/s':>11}{'accepted':>9}{'ts/as floor':>12}"
+    lines = ["", header, "-" * len(header)]
+    for m in measurements:
+        name = _run_name(m.schedule, m.latency_scale, " x", m.variant)
+        accepted = "-" if math.isnan(m.acceptance_rate) else f"{m.acceptance_rate:.1%}"
+        lines.append(
+            f"{name:<26}{m.tail_s:>8.2f}{m.tail_share:>10.1%}{m.tail_tokens_per_s:>11.1f}{accepted:>9}"
+            f"{m.replay_vs_async:>11.3f}x"
+        )
+    streamed = [m for m in measurements if m.schedule == "thundersync" and m.latency_scale == 1.0]
+    stale = [m for m in measurements if m.schedule == "async" and m.latency_scale == 1.0]
+    for t in streamed:
+        for a in stale:
+            lines.append(
+                f"{_run_name(t.schedule, 1.0, variant=t.variant)} / {_run_name(a.schedule, 1.0, variant=a.variant)}: "
+                f"{t.step_s / a.step_s:.3f}x the step (its trace's floor {t.replay_vs_async:.3f}x)"
+            )
+    lines.append(
+        "tail: from the 90th-percentile trajectory's ready time to the last one's, per update; tail tok/s: tokens per "
+        "second of generation of the trajectories ready in it; accepted: speculative decoding's accepted / drafted"
+    )
+    return lines
 
 
 def write_pictures(measurements: Sequence[ScheduleMeasurement], out_dir: str | Path) -> list[Path]:
@@ -264,7 +331,7 @@ def write_pictures(measurements: Sequence[ScheduleMeasurement], out_dir: str | P
     out_dir = Path(out_dir)
     written = []
     for m in measurements:
-        name = _run_name(m.schedule, m.latency_scale)
+        name = _run_name(m.schedule, m.latency_scale, variant=m.variant)
         path = out_dir / f"timeline-{name}.png"
         plot_timeline(Path(m.out_dir) / "trace", path, title=f"{name}: mean step {m.step_s:.2f} s")
         written.append(path)
@@ -306,7 +373,10 @@ def _with_sync_ratios(measured: list[ScheduleMeasurement]) -> list[ScheduleMeasu
 
 
 def _matching_sync(measured: Sequence[ScheduleMeasurement], m: ScheduleMeasurement) -> ScheduleMeasurement | None:
-    return next((s for s in measured if s.schedule == "sync" and s.latency_scale == m.latency_scale), None)
+    return next(
+        (s for s in measured if s.schedule == "sync" and s.latency_scale == m.latency_scale and s.variant == m.variant),
+        None,
+    )
 
 
 def _run_fit(config: str, schedule: str, updates: int, run_dir: Path, overrides: list[str]) -> None:
@@ -330,9 +400,10 @@ def _run_fit(config: str, schedule: str, updates: int, run_dir: Path, overrides:
         )
 
 
-def _run_name(schedule: str, latency_scale: float, separator: str = "-x") -> str:
-    """A run's name: its schedule, with the latency scale of a ratio-sweep run."""
-    return schedule if latency_scale == 1.0 else f"{schedule}{separator}{latency_scale:g}"
+def _run_name(schedule: str, latency_scale: float, separator: str = "-x", variant: str = "") -> str:
+    """A run's name: its schedule, with the latency scale of a ratio-sweep run and its variant."""
+    name = schedule if latency_scale == 1.0 else f"{schedule}{separator}{latency_scale:g}"
+    return f"{name}-{variant}" if variant else name
 
 
 def _csv_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -370,7 +441,9 @@ def _config_latencies(config: str) -> dict[str, float]:
     return {key: float(tool.get(key, getattr(SimulatedToolSettings, key))) for key in keys}
 
 
-def _check_arguments(schedules: Sequence[str], updates: int, warmup: int, repeats: int = 1) -> None:
+def _check_arguments(
+    schedules: Sequence[str], updates: int, warmup: int, repeats: int = 1, variants: Mapping | None = None
+) -> None:
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown or not schedules:
         raise ValueError(f"schedules {list(unknown) or '[]'} are not among {', '.join(SCHEDULES)}")
@@ -378,6 +451,9 @@ def _check_arguments(schedules: Sequence[str], updates: int, warmup: int, repeat
         raise ValueError(f"updates ({updates}) must exceed warmup ({warmup}) >= 0, leaving updates to measure")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (runs of every schedule); got {repeats}")
+    unnamed = [name for name in variants or {} if not re.fullmatch(r"[A-Za-z0-9_.]+", name)]
+    if unnamed:
+        raise ValueError(f"variants {unnamed} need names of letters, digits, '_' and '.' (they name run directories)")
 
 
 def _mean(values: Sequence[float]) -> float:

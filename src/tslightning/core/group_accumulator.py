@@ -17,9 +17,9 @@ from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator, 
 class _GroupStatistics:
     size: int
     shift: float  # c = the first reward folded in; see GroupAccumulator
-    g1: torch.Tensor  # Σ (r_i − c) H_i
-    g2: torch.Tensor  # Σ H_i
-    rewards: list[float]
+    g1: torch.Tensor | None  # Σ (r_i − c) H_i over the folded sources (None: none folded)
+    g2: torch.Tensor | None  # Σ H_i
+    rewards: list[float]  # every counted source's reward: folded, or added to the batch directly
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,10 @@ class GroupAccumulator:
 
     The first statistic is kept shifted, ``G1' = Σ (r_i − c) H_i`` with c the group's first reward; since
     ``G1 − μ G2 = G1' − (μ − c) G2`` this is the same update with less cancellation in FP32.
+
+    A source served once its group's m rewards are known (a backlog pass, :mod:`tslightning.learner.batched_passes`)
+    adds its final term A_i/m · H_i to the batch accumulator itself and is only counted here
+    (:meth:`record_direct`): the group's close then combines the statistics of the sources folded before, if any.
 
     Precision bound (``dtype`` with unit roundoff u: 2^-24 for float32). Each coordinate of the batch accumulator,
     after n groups of at most m sources each whose gradients arrive in ``dtype`` or wider, is within
@@ -91,8 +95,8 @@ class GroupAccumulator:
 
     @property
     def held_numel(self) -> int:
-        """Values currently held: the batch accumulator plus two vectors per open group."""
-        return self.layout.numel * (1 + 2 * len(self._open))
+        """Values currently held: the batch accumulator plus two vectors per open group holding statistics."""
+        return self.layout.numel * (1 + 2 * sum(stats.g1 is not None for stats in self._open.values()))
 
     @property
     def open_groups(self) -> list[str]:
@@ -116,12 +120,9 @@ class GroupAccumulator:
         """Where H_i of a source of ``group_id`` with ``reward`` goes: ``[(G1', r_i − c), (G2, 1)]`` (Eq. 7), the
         group's statistics allocated with its first source. Fold H_i — whole or a unit at a time — with
         ``statistic += alpha · H_i``, then :meth:`record_source` once."""
-        stats = self._open.get(group_id)
-        if stats is None:
-            stats = _GroupStatistics(
-                group_size, reward, self.layout.zeros(self.dtype), self.layout.zeros(self.dtype), []
-            )
-            self._open[group_id] = stats
+        stats = self._open.setdefault(group_id, _GroupStatistics(group_size, reward, None, None, []))
+        if stats.g1 is None:
+            stats.shift, stats.g1, stats.g2 = reward, self.layout.zeros(self.dtype), self.layout.zeros(self.dtype)
             self.peak_held_numel = max(self.peak_held_numel, self.held_numel)
         return [(stats.g1, reward - stats.shift), (stats.g2, 1.0)]
 
@@ -129,13 +130,18 @@ class GroupAccumulator:
         """Count one folded source of ``group_id`` (after its terms of :meth:`source_terms` were folded)."""
         self._open[group_id].rewards.append(reward)
 
+    def record_direct(self, group_id: str, group_size: int, reward: float) -> None:
+        """Count a source of ``group_id`` whose final term a pass added to the batch accumulator itself (no
+        statistics are allocated for it)."""
+        self._open.setdefault(group_id, _GroupStatistics(group_size, reward, None, None, [])).rewards.append(reward)
+
     def folded(self, group_id: str) -> int:
-        """Sources folded into open group ``group_id`` so far (0 if it holds no statistics)."""
+        """Sources counted in open group ``group_id`` so far, folded or direct (0 if it has none)."""
         stats = self._open.get(group_id)
         return 0 if stats is None else len(stats.rewards)
 
     def is_complete(self, group_id: str) -> bool:
-        """Whether every source of open group ``group_id`` has been folded in (it can close)."""
+        """Whether every source of open group ``group_id`` has been counted (it can close)."""
         stats = self._open.get(group_id)
         return stats is not None and len(stats.rewards) == stats.size
 
@@ -152,7 +158,7 @@ class GroupAccumulator:
         mu = group_mean(stats.rewards)
         uniform = is_uniform(stats.rewards)
         scale = 0.0 if uniform else advantage_scale(stats.rewards, self.estimator, self.eps)
-        if not uniform:
+        if not uniform and stats.g1 is not None:
             # (a/m)·G1' − (a/m)(μ − c)·G2, each coefficient a float64 scalar applied once.
             batch.add_(stats.g1, alpha=scale / stats.size)
             batch.add_(stats.g2, alpha=-scale * (mu - stats.shift) / stats.size)

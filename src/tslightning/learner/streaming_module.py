@@ -53,12 +53,12 @@ from tslightning.distributed.parameter_placement import (
 )
 from tslightning.distributed.rank_failure import agree_to_step, reported_to_ranks
 from tslightning.distributed.statistics_shards import StatisticsShards
+from tslightning.learner.batched_serving import BatchedServing
 from tslightning.learner.boundary_adjoint import ContextBackward, SharedPromptBackward, TurnBoundaryBackward
 from tslightning.learner.group_admission import GroupAdmission
 from tslightning.learner.precision import pass_context
 from tslightning.learner.settings import OptimizerSettings, Schedule
-from tslightning.learner.spread_groups import SpreadGroups, global_rewards, spread_groups
-from tslightning.learner.sync_direction import batch_objective, micro_batches, source_key, trajectory_coefficients
+from tslightning.learner.spread_groups import SpreadGroups, spread_groups
 from tslightning.learner.update_result import ServiceRecord, UpdateResult, UpdateTimings
 from tslightning.learner.update_stream import UpdateStreamHooks, check_plan, check_token_range
 from tslightning.measure.device_clock import synchronized_clock
@@ -66,7 +66,7 @@ from tslightning.objectives.advantages import GRPO_EPSILON, AdvantageEstimator
 from tslightning.objectives.scored_logprobs import DEFAULT_CHUNK_ROWS, checked_chunk_tokens, scored_logprobs
 
 
-class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
+class StreamingPolicyModule(BatchedServing, UpdateStreamHooks, L.LightningModule):
     """Exact gradient streaming for GRPO and OPD on any causal LM (full fine-tuning or a peft LoRA model).
 
     Args:
@@ -83,8 +83,12 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             groups spread under ``shard_statistics`` (:mod:`tslightning.learner.spread_groups`); ``None``: no cap.
         optimizer: AdamW settings used by :meth:`configure_optimizers`.
         accumulator_dtype: dtype of the statistics; default FP32, or float64 for a float64 policy.
-        sync_micro_batch_size: Sequences per padded forward in the ``sync`` schedule (sources sorted by length, so a
-            micro-batch pads little).
+        micro_batch_size: Most sequences per padded learner pass: the ``sync`` schedule's micro-batches (sorted by
+            length, so a micro-batch pads little), and under ``thundersync`` the sources ready at once
+            (:meth:`ingest_ready`, :mod:`tslightning.learner.batched_serving`); 1: one sequence per pass.
+        backlog_tokens: Most padded tokens (rows × the longest row) of a ``thundersync`` backlog pass; ``None``: no
+            bound but ``micro_batch_size``. ``fit`` gives the context limit: a backlog pass then holds no more
+            activations than one pass of the longest sequence.
         max_policy_lag: How many versions a batch's sampling policy may trail the learner's θ_k: 0 for the
             zero-staleness schedules; 1 for one-step-off ``async`` (sampled from θ_{k−1}, evaluated at θ_k without
             importance correction, App. D.4).
@@ -117,7 +121,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         group_admission_cap: int | None = None,
         optimizer: OptimizerSettings | None = None,
         accumulator_dtype: torch.dtype | None = None,
-        sync_micro_batch_size: int = 8,
+        micro_batch_size: int = 8,
+        backlog_tokens: int | None = None,
         max_policy_lag: int = 0,
         context_backward: ContextBackward = ContextBackward.RECOMPUTE,
         statistics_device: str = "host",
@@ -131,8 +136,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
             raise ValueError(f"max_grad_norm must be > 0 or None (Table 5 uses 1.0); got {max_grad_norm}")
         if max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0; got {max_policy_lag}")
-        if sync_micro_batch_size < 1:
-            raise ValueError(f"sync_micro_batch_size must be >= 1; got {sync_micro_batch_size}")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
         self.automatic_optimization = False
         self.policy = policy
         self.objective = Objective(objective)
@@ -141,7 +146,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.advantage_epsilon = advantage_epsilon
         self.max_grad_norm = max_grad_norm
         self.optimizer_settings = optimizer or OptimizerSettings()
-        self.sync_micro_batch_size = sync_micro_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.backlog_tokens = backlog_tokens
         self.max_policy_lag = max_policy_lag
         self.logprob_chunk_tokens = checked_chunk_tokens(logprob_chunk_tokens)
         self.policy_version = 0
@@ -190,6 +196,8 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self.last_update: UpdateResult | None = None
         self._registry: BatchRegistry | None = None
         self._held_sources: list[Source] = []  # sync schedule: sources waiting for the barrier
+        self._rewards: dict[str, dict[int, float]] = {}  # GRPO: each group's rewards so far, by trajectory index
+        self._backlog: list[Source | GroupClosed] | None = None  # while ingest_ready admits a backlog
         self._reductions: list[GroupReduction] = []
         self._num_sources = 0
         self._num_scored_tokens = 0
@@ -251,12 +259,15 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         if isinstance(item, TrajectorySource | TurnSource):
             self._num_sources += 1
             self._num_scored_tokens += item.num_scored
+        if isinstance(item, TrajectorySource):
+            self._rewards.setdefault(item.group_id, {})[item.trajectory_index] = item.reward
         if self.schedule is Schedule.SYNC:
             if isinstance(item, TrajectorySource | TurnSource):
                 self._held_sources.append(item)  # the batch-synchronous learner starts at the barrier
         elif isinstance(item, TurnSource):
             for turn in ready_turns:
-                self._serve([turn], lambda turn=turn: self._fold_turn(turn))
+                if not self._defer(turn):
+                    self._serve([turn], lambda turn=turn: self._fold_turn(turn))
         elif isinstance(item, TrajectoryClosed) and self.turn_boundaries is not None:
             self._serve([], lambda: self._replay_turn_adjoints(item))
         elif isinstance(item, TrajectorySource) or (isinstance(item, GroupClosed) and self.objective is Objective.GRPO):
@@ -271,15 +282,22 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         work = deque(self.admission.offer(item.group_id, item))
         while work:
             admitted = work.popleft()
+            if self._defer(admitted):  # ingest_ready serves it with the rest of the backlog
+                continue
             if isinstance(admitted, GroupClosed):
-                if self.lockstep is not None:  # admitted with its sources (a cap released it): fold them first
-                    self.lockstep.flush(self.policy_version)
-                self._reductions.append((self.shards or self.groups).close(admitted.group_id))  # drains the folds
-                if self.shared_prompts is not None:
-                    self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
-                work.extend(self.admission.release(admitted.group_id))
+                work.extend(self._close_group(admitted))
             else:
                 self._serve_trajectory(admitted)
+
+    def _close_group(self, closed: GroupClosed) -> list[Source | GroupClosed]:
+        """Reduce a closed group into the batch accumulator (its queued folds first); returns the work of the groups
+        the admission cap releases now."""
+        if self.lockstep is not None:  # admitted with its sources (a cap released it): fold them first
+            self.lockstep.flush(self.policy_version)
+        self._reductions.append((self.shards or self.groups).close(closed.group_id))  # drains the folds
+        if self.shared_prompts is not None:
+            self._serve([], lambda reduction=self._reductions[-1]: self._fold_prompt(reduction))
+        return self.admission.release(closed.group_id)
 
     def barrier(self, optimizer: torch.optim.Optimizer, before_step: Callable[[], None] | None = None) -> UpdateResult:
         """The zero-stale optimizer barrier (Eq. 3): reduce, normalize, clip, exactly one step; θ_k → θ_{k+1}.
@@ -400,30 +418,6 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         statistics unit by unit; returns the gradients of ``inputs`` (boundary adjoints)."""
         return self.placement.backward(outputs, contribution, self.statistics, inputs, grad_outputs, retain_graph)
 
-    # ----------------------------------------------------------------- batch-synchronous learner work (sync)
-    def _compute_sync_direction(self, plan: BatchPlan) -> None:
-        """All learner work after the batch closed: batch-form advantages, padded micro-batches, one sum."""
-        if self.shards is None:  # sharded, peers' shards may have arrived already: the batch's reset was at its start
-            self.statistics.reset()  # recomputed from scratch, so a barrier retried after an error never double-counts
-        self._reductions = []
-        self.service_log = []
-        sources = sorted(self._held_sources, key=source_key)
-        coefficients = [1.0] * len(sources)
-        if self.objective is Objective.GRPO:
-            rewards = None if self.spread is None else global_rewards(sources, self.lockstep, self.policy_version)
-            coefficients, self._reductions = trajectory_coefficients(
-                sources, plan, self.advantage, self.advantage_epsilon, rewards
-            )
-        for chunk, weights in micro_batches(sources, coefficients, self.sync_micro_batch_size):
-            self._serve(chunk, lambda chunk=chunk, weights=weights: self._sync_chunk(chunk, weights))
-
-    def _sync_chunk(self, chunk: list[Source], weights: list[float]) -> None:
-        """One padded micro-batch of the batch objective, folded into the batch accumulator."""
-        objective = batch_objective(self.policy, self.objective, chunk, weights, self.logprob_chunk_tokens)
-        self._backward([objective], BATCH)
-        if self.turns is not None:
-            self.turns.count(sum(s.num_scored for s in chunk))
-
     def _serve(self, sources: list[Source], work: Callable[[], None]) -> None:
         """Run learner work for ``sources`` — now, or at its lock-step tick — and record its service interval."""
         if self.lockstep is not None:
@@ -474,6 +468,7 @@ class StreamingPolicyModule(UpdateStreamHooks, L.LightningModule):
         self._registry = None
         self.lockstep = None
         self._held_sources = []
+        self._rewards = {}
         self._reductions = []
         self._num_sources = 0
         self._num_scored_tokens = 0

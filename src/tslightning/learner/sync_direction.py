@@ -77,15 +77,23 @@ def sequence_rows(sources: list[Source], coefficients: list[float]) -> tuple[lis
 
 
 def micro_batches(
-    sources: list[Source], coefficients: list[float], size: int
+    sources: list[Source], coefficients: list[float], size: int, max_tokens: int | None = None
 ) -> list[tuple[list[Source], list[float]]]:
     """``sources`` with their coefficients in padded micro-batches of ``size``, one row per causal sequence
     (:func:`sequence_rows`), longest first: each micro-batch then holds sequences of similar length, so the baseline
-    wastes little compute on padding (verl's sequence balancing does the same)."""
+    wastes little compute on padding (verl's sequence balancing does the same). With ``max_tokens`` a micro-batch also
+    holds at most that many padded tokens (rows × its longest row), but always one row."""
     sources, coefficients = sequence_rows(sources, coefficients)
     by_length = sorted(range(len(sources)), key=lambda i: (-sources[i].token_ids.numel(), i))
-    sources, coefficients = [sources[i] for i in by_length], [coefficients[i] for i in by_length]
-    return [(sources[i : i + size], coefficients[i : i + size]) for i in range(0, len(sources), size)]
+    batches: list[tuple[list[Source], list[float]]] = []
+    for i in by_length:
+        rows = batches[-1][0] if batches else []
+        padded = (len(rows) + 1) * rows[0].token_ids.numel() if rows else 0
+        if not rows or len(rows) == size or (max_tokens is not None and padded > max_tokens):
+            batches.append(([], []))
+        batches[-1][0].append(sources[i])
+        batches[-1][1].append(coefficients[i])
+    return batches
 
 
 def batch_objective(

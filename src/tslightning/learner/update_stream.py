@@ -68,16 +68,17 @@ class UpdateStreamHooks:
     def training_step(self, batch: Iterable[StreamItem | BatchPlan] | StreamItem | BatchPlan, batch_idx: int) -> None:
         """One update per Trainer batch: ``batch`` is the update's stream — its :class:`BatchPlan`, sources and events
         in readiness order, :class:`BatchClosed` last (a list, or a generator yielding each item as it becomes ready:
-        each is served as it arrives) — and the barrier runs at ``BatchClosed``. A Fabric loop may instead pass one
-        stream item per call. The barrier's :class:`UpdateResult` is kept in ``last_update`` and logged (one row per
-        update, :mod:`tslightning.learner.update_log`).
+        each is served as it arrives, and with ``take_ready`` — :class:`~tslightning.rollout.ready_items.ReadyItems`
+        — those ready at once together, :meth:`ingest_ready`) — and the barrier runs at ``BatchClosed``. A Fabric loop
+        may instead pass one stream item per call. The barrier's :class:`UpdateResult` is kept in ``last_update`` and
+        logged (one row per update, :mod:`tslightning.learner.update_log`).
 
         Under a Fabric the callbacks' ``on_before_optimizer_step`` runs inside the barrier, once the batch direction
         is in ``.grad`` (a Trainer's LightningOptimizer calls it inside ``step``).
         """
-        for item in update_items(batch, under_trainer=self._trainer is not None):
-            self.ingest(item)
-            if isinstance(item, BatchClosed):
+        for ready in update_backlogs(batch, under_trainer=self._trainer is not None):
+            self.ingest_ready(ready)
+            if isinstance(ready[-1], BatchClosed):
                 optimizer = self.optimizers()
                 self.barrier(optimizer, before_step=self._fabric_callbacks_before_step(optimizer))
                 if self._trainer is not None or self._fabric is not None:
@@ -115,8 +116,9 @@ _ITEM_TYPES = (BatchPlan, TrajectorySource, TurnSource, TrajectoryClosed, GroupC
 _warned_item_per_batch = False
 
 
-def update_items(batch: object, under_trainer: bool) -> Iterator[StreamItem | BatchPlan]:
-    """The stream items of one ``training_step`` batch: the item itself, or an update's items checked in order.
+def update_backlogs(batch: object, under_trainer: bool) -> Iterator[list[StreamItem | BatchPlan]]:
+    """The stream items of one ``training_step`` batch, checked in order, in lists of the items ready together: the
+    item itself, or an update's items — each with those its stream has ready at once (its ``take_ready``, if any).
 
     Raises:
         SourceError: If an update's stream does not start with its BatchPlan, ends before BatchClosed, or continues
@@ -125,26 +127,36 @@ def update_items(batch: object, under_trainer: bool) -> Iterator[StreamItem | Ba
     if isinstance(batch, _ITEM_TYPES):
         if under_trainer:
             _warn_item_per_batch()
-        yield batch
+        yield [batch]
         return
     if not isinstance(batch, Iterable):
         raise SourceError(
             f"training_step got a {type(batch).__name__}; give one update per batch (an iterable of its stream items, "
             "BatchPlan first and BatchClosed last) or one stream item"
         )
-    closed = False
-    for index, item in enumerate(batch):
-        if closed:
-            raise SourceError(
-                f"the update's stream continues after BatchClosed with a {type(item).__name__}; one batch holds "
-                "exactly one update (yield each update's items as a separate batch)"
-            )
-        if index == 0 and not isinstance(item, BatchPlan):
-            raise SourceError(f"an update's stream starts with its BatchPlan; the batch began with {item!r:.80}")
-        yield item
-        closed = isinstance(item, BatchClosed)
-    if not closed:
-        raise SourceError("the update's stream ended before its BatchClosed; the batch is incomplete")
+    take_ready = getattr(batch, "take_ready", list)
+    closed, index, items = False, 0, iter(batch)
+    while not closed:
+        first = next(items, None)
+        if first is None:
+            raise SourceError("the update's stream ended before its BatchClosed; the batch is incomplete")
+        ready = [first] if isinstance(first, BatchPlan) else [first, *take_ready()]
+        for item in ready:
+            if closed:
+                raise SourceError(
+                    f"the update's stream continues after BatchClosed with a {type(item).__name__}; one batch holds "
+                    "exactly one update (yield each update's items as a separate batch)"
+                )
+            if index == 0 and not isinstance(item, BatchPlan):
+                raise SourceError(f"an update's stream starts with its BatchPlan; the batch began with {item!r:.80}")
+            index, closed = index + 1, isinstance(item, BatchClosed)
+        yield ready
+    extra = next(items, None)
+    if extra is not None:
+        raise SourceError(
+            f"the update's stream continues after BatchClosed with a {type(extra).__name__}; one batch holds exactly "
+            "one update (yield each update's items as a separate batch)"
+        )
 
 
 def _warn_item_per_batch() -> None:

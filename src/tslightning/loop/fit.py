@@ -121,7 +121,7 @@ def fit(
         rollout: Rollout pool, tasks and agent limits.
         warm_start: Supervised warm start before RL.
         algorithm: The learning algorithm: advantage estimator, clipping, AdamW, and how the learner computes the
-            exact update (group admission cap, context backward, sync micro-batches).
+            exact update (group admission cap, context backward, padded micro-batches).
         available_flops: Peak FLOP/s of one learner device for MFU (Eq. 10); ``None`` reads the device's dense peak
             (:mod:`tslightning.callbacks.peak_flops`); a device no table knows (a CPU) then logs no MFU.
         checkpoint: When and where checkpoints are written.
@@ -210,7 +210,8 @@ def fit(
             algorithm.advantage,
             max_grad_norm=algorithm.max_grad_norm if module_clips else None,
             group_admission_cap=algorithm.group_admission_cap,
-            sync_micro_batch_size=algorithm.sync_micro_batch_size,
+            micro_batch_size=algorithm.micro_batch_size,
+            backlog_tokens=agent_limits(rollout, policy.config).max_context_tokens,  # what the memory plan holds
             optimizer=algorithm.optimizer,
             max_policy_lag=lag,
             context_backward=algorithm.context_backward,
@@ -325,7 +326,7 @@ def _statistics_device(fabric, arguments: dict) -> str:
     available = torch.cuda.get_device_properties(fabric.device).total_memory
     planned = planned_memory(
         policy_config(model), arguments["objective"], arguments["schedule"], model, rollout, learner,
-        arguments["algorithm"].group_admission_cap, arguments["algorithm"].sync_micro_batch_size, available,
+        arguments["algorithm"].group_admission_cap, arguments["algorithm"].micro_batch_size, available,
         arguments["algorithm"].optimizer.state_dtype,
     )  # fmt: skip
     rank_zero_info(plan_report(planned.plan, planned.shape, available / 2**30, learner.activation_checkpointing))

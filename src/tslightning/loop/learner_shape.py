@@ -39,7 +39,7 @@ def learner_shape(
     group_admission_cap,
     schedule: str = "thundersync",
     statistics_device: str | None = None,
-    sync_micro_batch_size: int = 1,
+    micro_batch_size: int = 1,
     optimizer_state_dtype: str = "float32",
 ) -> LearnerShape:
     """The :class:`LearnerShape` a ``fit`` run with these settings trains in, per rank; ``statistics_device``
@@ -58,7 +58,7 @@ def learner_shape(
         statistics_device="host" if statistics_device == "auto" else statistics_device,
         spread_groups=learner.shard_statistics,  # fit deals GRPO groups over the ranks then (RolloutDataModule)
         fold_queue_depth=learner.fold_queue_depth,
-        sync_micro_batch_size=sync_micro_batch_size,
+        micro_batch_size=micro_batch_size,
         logprob_chunk_tokens=learner.logprob_chunk_tokens,
         optimizer_state_dtype=optimizer_state_dtype,
         lora_rank=model.lora.r if model.lora is not None else None,
@@ -111,7 +111,7 @@ def planned_memory(
     rollout: RolloutSettings,
     learner,
     group_admission_cap,
-    sync_micro_batch_size: int,
+    micro_batch_size: int,
     available: int | None,
     optimizer_state_dtype: str = "float32",
 ) -> PlannedMemory:
@@ -119,7 +119,7 @@ def planned_memory(
     unknown device: the host)."""
     shape_for = partial(
         learner_shape, config, objective, model, rollout, learner, group_admission_cap, schedule,
-        sync_micro_batch_size=sync_micro_batch_size, optimizer_state_dtype=optimizer_state_dtype,
+        micro_batch_size=micro_batch_size, optimizer_state_dtype=optimizer_state_dtype,
     )  # fmt: skip
     checkpointing = learner.activation_checkpointing
     if learner.statistics_device == "auto" and available is not None:

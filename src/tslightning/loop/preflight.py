@@ -109,7 +109,7 @@ def preflight(
     problems += server_problems(rollout) if replay_batches is None else []  # a replay talks to no server
     problems += process_group_problems(learner)
     problems += memory_problems(
-        objective, schedule, model, rollout, learner, cap, algorithm.sync_micro_batch_size,
+        objective, schedule, model, rollout, learner, cap, algorithm.micro_batch_size,
         device_memory(accelerator), algorithm.optimizer.state_dtype,
     )  # fmt: skip
     problems += (
@@ -309,7 +309,7 @@ def memory_problems(
     rollout: RolloutSettings,
     learner: LearnerSettings,
     cap,
-    sync_micro_batch_size: int,
+    micro_batch_size: int,
     device_bytes: int | None,
     optimizer_state_dtype: str = "float32",
 ) -> list[str]:
@@ -320,7 +320,7 @@ def memory_problems(
         return []
     config = policy_config(model)
     planned = planned_memory(
-        config, objective, schedule, model, rollout, learner, cap, sync_micro_batch_size, device_bytes,
+        config, objective, schedule, model, rollout, learner, cap, micro_batch_size, device_bytes,
         optimizer_state_dtype,
     )  # fmt: skip
     plan = planned.plan.device_bytes(planned.checkpointing)

@@ -277,7 +277,7 @@ class RolloutSettings:
 @dataclass
 class AlgorithmSettings:
     """The learning algorithm: GRPO's advantage estimator (Eqs. 4-7), clipping and AdamW (Table 5), and how the
-    learner computes the exact update (statistics cap, context backward, sync micro-batches)."""
+    learner computes the exact update (statistics cap, context backward, padded passes)."""
 
     advantage: Literal["grpo", "grpo_sample", "dr_grpo", "rloo"] = "grpo"
     """GRPO advantage estimator: ``grpo`` (population std, Eq. 5), ``grpo_sample`` (sample std), ``dr_grpo`` (no
@@ -293,12 +293,15 @@ class AlgorithmSettings:
     """``thundersync`` only: ``recompute`` runs each source's whole causal context; ``boundary`` runs a GRPO group's
     prompt and an OPD trajectory's earlier turns once and back-propagates the summed boundary adjoints when the group
     or trajectory closes (App. I): the same update, fewer learner FLOPs."""
-    sync_micro_batch_size: int = 8
-    """``sync`` (and ``async``) learner: sequences per padded forward, sorted by length."""
+    micro_batch_size: int = 8
+    """Most sequences per padded learner pass, sorted by length: the ``sync`` (and ``async``) learner's micro-batches,
+    and under ``thundersync`` the sources that became ready while the learner was busy (a lone one is served at once),
+    with at most the context limit's tokens per pass there, so it needs no more activation memory than one pass of the
+    longest sequence. 1: one sequence per pass."""
 
     def problems(self) -> list[str]:
         """Everything out of range, each naming the key (``algorithm.*``) and the fix."""
-        problems = _at_least("algorithm", self, ("sync_micro_batch_size", 1))
+        problems = _at_least("algorithm", self, ("micro_batch_size", 1))
         if not self.max_grad_norm > 0:
             problems.append(f"algorithm.max_grad_norm must be > 0 (inf: no clipping); got {self.max_grad_norm}")
         if self.group_admission_cap is not None and self.group_admission_cap < 1:
@@ -330,9 +333,17 @@ MOVED_TO_ALGORITHM = (
 """``fit`` arguments that were top-level keys before 0.1.0 and are now ``algorithm.<name>``."""
 
 
+RENAMED_IN_ALGORITHM = {"sync_micro_batch_size": "micro_batch_size"}
+"""``algorithm`` keys renamed before 0.1.0 (old → new)."""
+
+
 def moved_key(key: str) -> str | None:
-    """The key a pre-0.1.0 ``fit`` key (``max_grad_norm``, ``optimizer.lr``) is now (``algorithm.max_grad_norm``,
-    ``algorithm.optimizer.lr``); ``None`` for a key that did not move."""
+    """The key a pre-0.1.0 ``fit`` key (``max_grad_norm``, ``optimizer.lr``, ``algorithm.sync_micro_batch_size``) is
+    now (``algorithm.max_grad_norm``, ``algorithm.optimizer.lr``, ``algorithm.micro_batch_size``); ``None`` for a
+    key that did not move."""
+    name = key.removeprefix("algorithm.")
+    if name in RENAMED_IN_ALGORITHM:
+        return f"algorithm.{RENAMED_IN_ALGORITHM[name]}"
     return f"algorithm.{key}" if key.split(".")[0] in MOVED_TO_ALGORITHM else None
 
 

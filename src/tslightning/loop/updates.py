@@ -61,14 +61,17 @@ class RolloutOutcome:
 
 
 def one_update(fabric, module, optimizer, stream: Iterator, update: int) -> None:
-    """One logical batch: ingest ``stream``'s items as they arrive, then the barrier, the step and publication."""
+    """One logical batch: ingest ``stream``'s items as they arrive — every item ready at once together, the
+    learner's backlog (``take_ready``, when the stream has it) — then the barrier, the step and publication."""
     waited = 0.0
     while True:
         before = time.perf_counter()
         with reported_to_ranks(update):  # this rank's rollout or ingest failing fails the update on every rank
-            item = next(stream)
+            first = next(stream)
             waited += time.perf_counter() - before
-            module.ingest(item)
+            ready = [first, *ready_now(stream)]
+            module.ingest_ready(ready)
+        item = ready[-1]  # a plan comes alone; BatchClosed comes last
         # Keyword arguments: Fabric passes each callback only the names its hook takes (the module is one too).
         if isinstance(item, BatchPlan):
             fabric.call("on_train_batch_start", trainer=fabric, pl_module=module, batch=item, batch_idx=update)
@@ -88,6 +91,12 @@ def one_update(fabric, module, optimizer, stream: Iterator, update: int) -> None
                 batch_idx=update,
             )
             return
+
+
+def ready_now(stream: Iterator) -> list:
+    """The items ``stream`` has ready now without waiting (its ``take_ready``; none for a plain iterator)."""
+    take_ready = getattr(stream, "take_ready", None)
+    return take_ready() if take_ready is not None else []
 
 
 class Prefetch:

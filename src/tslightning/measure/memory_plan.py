@@ -27,7 +27,7 @@ which the plan asks instead of reading strategy names. Per rank:
   (attention, MLP, and the chunked head, which keeps the scored hidden rows, never T×V logits:
   :mod:`tslightning.objectives.chunked_head`), under autocast for ``bf16-mixed`` (without its weight cache, as the
   learner runs it), without and with activation checkpointing (then the decoder layers' inputs, plus one layer
-  recomputed at a time); the ``sync`` schedule runs ``sync_micro_batch_size`` sequences per pass;
+  recomputed at a time); ``sync`` runs ``micro_batch_size`` sequences a pass (a backlog: at most the longest's tokens);
 * **DDP buckets** — replicated parameters on several ranks: DDP's reducer allocates its gradient buckets, a
   trainable-sized buffer, when it wraps the model;
 * **barrier** — what the optimizer barrier adds once the passes' memory is free: the reduced direction (on the device
@@ -90,7 +90,7 @@ class LearnerShape:
         spread_groups: With sharded statistics, each GRPO group's trajectories are dealt over the ranks, so the
             ranks share their open groups (:mod:`tslightning.learner.spread_groups`).
         fold_queue_depth: Gradient units waiting for the background fold (``learner.fold_queue_depth``).
-        sync_micro_batch_size: Sequences per padded pass of the ``sync`` schedule.
+        micro_batch_size: Sequences per padded pass of the ``sync`` schedule.
         logprob_chunk_tokens: Rows of logits the output head holds at a time (``learner.logprob_chunk_tokens``).
         lora_rank: LoRA's r, or ``None`` for full fine-tuning.
         lora_targets: Module names that get adapters.
@@ -106,7 +106,7 @@ class LearnerShape:
     statistics_device: str = "host"
     spread_groups: bool = False
     fold_queue_depth: int = 0
-    sync_micro_batch_size: int = 1
+    micro_batch_size: int = 1
     logprob_chunk_tokens: int = DEFAULT_CHUNK_ROWS
     optimizer_state_dtype: str = "float32"
     lora_rank: int | None = None
@@ -246,7 +246,7 @@ def plan_learner_memory(config: Any, shape: LearnerShape, activations: bool = Tr
     row = max(_unit_numels(model, shape, shards)) if shards > 1 else unit  # a ring step's row: 1/world of a unit
     exchange = 2 * row * statistics_size if shards > 1 else 0  # one row sent, one received
     queued = shape.fold_queue_depth * row * statistics_size  # folds waiting for the folding thread
-    passes = shape.sync_micro_batch_size if shape.schedule == "sync" else 1
+    passes = shape.micro_batch_size if shape.schedule == "sync" else 1
     trace = (model, shape.sequence_tokens, compute_dtype)
     chunk = shape.logprob_chunk_tokens
     saved = passes * saved_activation_bytes(*trace, chunk_tokens=chunk) if activations else 0

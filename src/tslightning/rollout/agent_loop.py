@@ -130,6 +130,21 @@ class AgentTrajectory:
             count += len(sampled)
         return total, count
 
+    def generation_record(self, turn: int | None = None) -> dict[str, float | int | None]:
+        """How the actions of the whole trajectory (or of turn ``turn``) were generated, for the release trace: the
+        sampled tokens, the seconds their requests took, and speculative decoding's steps, drafted and accepted
+        tokens (``None`` when no turn speculated)."""
+        turns = self.turns if turn is None else [self.turns[turn]]
+        speculated = [t.speculation for t in turns if t.speculation is not None]
+        total = sum(speculated[1:], speculated[0]) if speculated else None
+        return {
+            "generated_tokens": sum(len(t.action_token_ids) for t in turns),
+            "generation_s": sum(t.generation_seconds for t in turns),
+            "spec_steps": None if total is None else total.steps,
+            "spec_drafted": None if total is None else total.drafted,
+            "spec_accepted": None if total is None else total.accepted,
+        }
+
     def token_ids(self, through_turn: int | None = None) -> torch.Tensor:
         """Prompt and turns; with ``through_turn=j`` the history ending with turn j's action (for OPD)."""
         pieces = [self.prompt_token_ids]

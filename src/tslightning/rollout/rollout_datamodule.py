@@ -26,9 +26,11 @@ from tslightning.core.batch_registry import BatchPlan, Objective
 from tslightning.core.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
 from tslightning.distributed.rank_assignment import RankAssignment, units_of
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
+from tslightning.rollout.continuous_rollout import ContinuousRollout, RolloutFailure
 from tslightning.rollout.engine import RolloutEngine
 from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, PreparedEnvironment
 from tslightning.rollout.environment_setup import EnvironmentSetup, wait_for_prepared
+from tslightning.rollout.ready_items import ReadyItems
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
 from tslightning.rollout.tool_threads import run_with_tool_threads
@@ -90,12 +92,7 @@ class EnvironmentRecord:
     wait_s: float
 
 
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class RolloutDataModule(L.LightningDataModule):
+class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
     """Yields ready sources of each update as they arrive.
 
     Args:
@@ -230,110 +227,27 @@ class RolloutDataModule(L.LightningDataModule):
         plan = self.rank_plan(BatchPlan(self.objective, version, {g: self.samples_per_prompt for g in tasks}), tasks)
         return plan, {g: (tasks[g], sorted(plan.trajectory_indices(g))) for g in plan.group_sizes}
 
-    def stream_update(self, update: int) -> Iterator[BatchPlan | StreamItem]:
-        """Run update ``update``'s rollouts; yield its plan, then items in readiness order, ending with BatchClosed."""
-        version = self.engine.policy_version
-        plan, tasks = self.rank_tasks(update, version)
-        yield plan
-        ready: queue.Queue = queue.Queue()
-        start = self.update_starts[update] = time.perf_counter()
-        producer = threading.Thread(
-            target=self._produce, args=(update, version, tasks, ready, start), name=f"rollout-u{update}", daemon=True
-        )
-        producer.start()
-        while True:
-            item = ready.get()
-            if isinstance(item, _Failure):
-                producer.join()
-                raise RuntimeError(f"rollout of update {update} failed: {item.error}") from item.error
-            yield item
-            if isinstance(item, BatchClosed):
-                producer.join()
-                return
+    def stream_update(self, update: int) -> ReadyItems:
+        """Update ``update``'s stream: its plan (stamped at the engine's version when taken), then — its rollouts
+        running from then on — items in readiness order, ending with BatchClosed; ``take_ready()`` gives those ready
+        now without waiting."""
 
-    def stream_continuous(
-        self, updates: int, staleness_bound: int, learner_version: Callable[[], int]
-    ) -> Iterator[list[BatchPlan | StreamItem]]:
-        """``fully_async`` (GRPO): rollout never stops; yield one logical batch (a list of items) per update.
+        def start():
+            version = self.engine.policy_version
+            plan, tasks = self.rank_tasks(update, version)
 
-        Groups keep starting while at most ``(staleness_bound + 1)·P`` are outstanding; each update takes the first P
-        groups to complete, whatever policy versions their turns were sampled with (publication swaps weights into
-        the engine in flight, so a trajectory can span versions). A group whose oldest turn trails the learner by
-        more than ``staleness_bound`` is dropped and counted in :attr:`dropped_groups`, never trained on silently.
-        """
-        if self.objective is not Objective.GRPO:
-            raise ValueError("fully_async supports objective 'grpo' (OPD turn streaming needs the barrier per batch)")
-        if self.world_size > 1:
-            raise ValueError("fully_async runs on one learner rank (its batches are the first P groups to complete)")
-        capacity = threading.Semaphore((staleness_bound + 1) * self.prompts_per_update)
-        completed: queue.Queue = queue.Queue()
-        total = (updates + staleness_bound + 1) * self.prompts_per_update
-        stop = threading.Event()
-        producer = threading.Thread(
-            target=lambda: self._produce_continuously(total, capacity, completed, stop), daemon=True
-        )
-        producer.start()
-        try:
-            for update in range(updates):
-                yield self._continuous_batch(update, staleness_bound, learner_version(), completed, capacity)
-        finally:
-            stop.set()
-            for _ in range(total):
-                capacity.release()  # unblock the producer so it can stop
+            def begin(ready: queue.Queue) -> threading.Thread:
+                start = self.update_starts[update] = time.perf_counter()
+                name = f"rollout-u{update}"
+                producer = threading.Thread(
+                    target=self._produce, args=(update, version, tasks, ready, start), name=name, daemon=True
+                )
+                producer.start()
+                return producer
 
-    def _continuous_batch(self, update, staleness_bound, version, completed: queue.Queue, capacity) -> list:
-        groups: list[tuple[str, list[AgentTrajectory]]] = []
-        start = self.update_starts[update] = time.perf_counter()
-        while len(groups) < self.prompts_per_update:
-            item = completed.get()
-            if isinstance(item, _Failure):
-                raise RuntimeError(f"continuous rollout failed: {item.error}") from item.error
-            capacity.release()
-            group_id, members = item
-            if version - min(t.policy_version for t in members) > staleness_bound:
-                self.dropped_groups += 1
-                continue
-            groups.append(item)
-        sources = [t.trajectory_source() for _, members in groups for t in members]
-        oldest = min(s.policy_version for s in sources)
-        plan = BatchPlan(self.objective, version, {g: len(m) for g, m in groups}, oldest_policy_version=oldest)
-        items = [plan, *sources, *(GroupClosed(g) for g, _ in groups), BatchClosed(version)]
-        self.trajectories[update] = [t for _, members in groups for t in members]
-        for item in items[1:]:
-            self._record(update, item, version, time.perf_counter() - start)
-        return items
+            return plan, begin
 
-    def _produce_continuously(self, total: int, capacity, completed: queue.Queue, stop: threading.Event) -> None:
-        async def run() -> None:
-            gate = asyncio.Semaphore(self.max_concurrent_attempts)
-            running = []
-            for slot in range(total):
-                await asyncio.to_thread(capacity.acquire)
-                if stop.is_set():
-                    break
-                task = self._task_for_slot(slot)
-                running.append(asyncio.create_task(self._continuous_group(slot, task, gate, completed)))
-            await asyncio.gather(*running)
-
-        try:
-            run_with_tool_threads(run(), self.max_concurrent_attempts + 1, self.cpus)  # + the capacity wait
-        except BaseException as error:
-            completed.put(_Failure(error))
-
-    async def _continuous_group(self, slot: int, task: RolloutTask, gate, completed: queue.Queue) -> None:
-        group_id = f"g{slot}/{task.task_id}"
-        members = await asyncio.gather(
-            *(self._continuous_attempt(slot, group_id, task, i, gate) for i in range(self.samples_per_prompt))
-        )
-        completed.put((group_id, list(members)))
-
-    async def _continuous_attempt(self, slot: int, group_id: str, task: RolloutTask, index: int, gate):
-        async with gate:
-            prepared = await self.environment_setup.open(task)
-            try:
-                return await self.agent.run(task.task_id, task.instruction, prepared.attempt, group_id, index, slot)
-            finally:
-                await self.environment_setup.close(prepared)
+        return ReadyItems(update, start)
 
     def _task_for_slot(self, slot: int) -> RolloutTask:
         epoch, position = divmod(slot, len(self.tasks))
@@ -365,7 +279,7 @@ class RolloutDataModule(L.LightningDataModule):
             self._unopened.pop(update, None)
             if self.prefetch is not None:
                 self.prefetch.discard()
-            ready.put(_Failure(error))
+            ready.put(RolloutFailure(error))
 
     def _prefetch_after(self, update: int) -> None:
         """Close what update ``update`` left prepared; prepare update ``update + 1``'s first environments."""

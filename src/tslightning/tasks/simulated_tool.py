@@ -14,6 +14,12 @@ an order that timing can perturb between schedules.
 
 The reward (SETA form, App. C.1) scores how close the number of calls came to the task's target:
 p = max(0, 1 − |calls − target| / target), r = p + 0.5·1[p = 1].
+
+Arrival profiles shape the rollout's tail: ``long_tail`` makes some attempts' tool calls slow; ``long_decode`` makes
+some tasks' *generation* long — they ask the agent to log every read with a note quoted from the instruction, so
+their trajectories generate about 2.5 times the tokens (tool latencies unchanged) and the last trajectories of an
+update decode nearly alone. The note is text already in the context, as copied file contents and paths are in real
+agent work: what a model-free drafter (:mod:`tslightning.rollout.speculative`) proposes.
 """
 
 from __future__ import annotations
@@ -56,13 +62,19 @@ class SimulatedToolSettings:
     """Per-attempt log-normal shape: spreads whole trajectories' durations (and so their ready times)."""
     max_latency_s: float = 5.0
     """Cap on one call's latency (the tool timeout)."""
-    arrival: Literal["waves", "long_tail"] = "waves"
+    arrival: Literal["waves", "long_tail", "long_decode"] = "waves"
     """``waves``: every attempt's latencies from the log-normals above (with ``max_concurrent_attempts`` below the
     batch, trajectories become ready in waves); ``long_tail``: besides, a seeded ``tail_fraction`` of attempts are
     stragglers whose calls all take ``tail_latency_factor`` times as long (their cap too) — the characterization
-    [QHH+26] cites, where the slowest 10% of trajectories take about half of the rollout time."""
+    [QHH+26] cites, where the slowest 10% of trajectories take about half of the rollout time; ``long_decode``: a
+    seeded ``tail_fraction`` of the tasks (at least one) log every read with a ``log_note_chars``-character note
+    their instruction quotes, so their trajectories *generate* about 2.5 times the tokens of the same task without
+    it (latencies unchanged): a decode-bound tail."""
     tail_fraction: float = 0.1
-    """``long_tail``: share of attempts that are stragglers, in [0, 1]."""
+    """``long_tail``: share of attempts that are stragglers; ``long_decode``: share of tasks that log; in [0, 1]."""
+    log_note_chars: int = 72
+    """``long_decode``: characters of the note a logging task's every read carries (``read-gauge --log "<note>"``);
+    72 makes a logging trajectory about 2.5 times as many tokens as the plain one with the embedded tokenizer."""
     tail_latency_factor: float = 2.5
     """``long_tail``: how many times longer a straggler's calls take (≥ 1). With the balanced bench workload's
     latencies (B = 32 attempts of 1-4 calls, ``attempt_latency_sigma`` 0), 2.5 puts the 90th-percentile attempt's
@@ -86,7 +98,7 @@ class SimulatedToolSettings:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("num_tasks", "max_calls", "min_reading_chars"):
+        for name in ("num_tasks", "max_calls", "min_reading_chars", "log_note_chars"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1; got {getattr(self, name)}")
         latencies = ("median_latency_s", "latency_sigma", "attempt_latency_sigma", "verify_median_latency_s")
@@ -110,11 +122,13 @@ class SimulatedToolSettings:
 
 @dataclass(frozen=True)
 class SimulatedToolTask:
-    """One gauge task: read the gauge ``target_calls`` times, then finish."""
+    """One gauge task: read the gauge ``target_calls`` times (each read logged with ``log_note`` when there is one),
+    then finish."""
 
     task_id: str
     target_calls: int
     manual: str = ""
+    log_note: str = ""
 
     @property
     def name(self) -> str:
@@ -125,10 +139,23 @@ class SimulatedToolTask:
         return self.task_id
 
     @property
+    def read_command(self) -> str:
+        """The command of one read: ``read-gauge``, or with the task's log note."""
+        return f'{GAUGE_COMMAND} --log "{self.log_note}"' if self.log_note else GAUGE_COMMAND
+
+    @property
     def instruction(self) -> str:
         times = "once" if self.target_calls == 1 else f"{self.target_calls} times"
         task = f"Read the gauge {times} with {GAUGE_COMMAND}, then finish."
+        if self.log_note:
+            task = f"Read the gauge {times}, logging each read: {self.read_command}. Then finish."
         return f"{self.manual}\n\n{task}" if self.manual else task
+
+    def counts_as_read(self, command: str) -> bool:
+        """Whether ``command`` is a gauge read: ``read-gauge`` itself, or (a logging task) with arguments — how
+        faithfully the note was copied does not change the reward."""
+        words = command.split()
+        return command.strip() == GAUGE_COMMAND or (bool(self.log_note) and words[:1] == [GAUGE_COMMAND])
 
 
 @dataclass(frozen=True)
@@ -142,9 +169,23 @@ class GaugeOutcome:
 
 
 def simulated_tasks(settings: SimulatedToolSettings) -> list[SimulatedToolTask]:
-    """The ``num_tasks`` gauge tasks; task i needs ``1 + i mod max_calls`` calls."""
-    manual = gauge_manual(settings.manual_chars)
-    return [SimulatedToolTask(f"gauge-{i}", 1 + i % settings.max_calls, manual) for i in range(settings.num_tasks)]
+    """The ``num_tasks`` gauge tasks; task i needs ``1 + i mod max_calls`` calls (``long_decode``: the seeded logging
+    tasks log each read)."""
+    manual, note = gauge_manual(settings.manual_chars), gauge_manual(settings.log_note_chars)
+    logging = logging_tasks(settings)
+    return [
+        SimulatedToolTask(f"gauge-{i}", 1 + i % settings.max_calls, manual, note if i in logging else "")
+        for i in range(settings.num_tasks)
+    ]
+
+
+def logging_tasks(settings: SimulatedToolSettings) -> set[int]:
+    """``long_decode``: the indices of the tasks that log every read, a seeded ``tail_fraction`` of them (at least
+    one); other profiles: none."""
+    if settings.arrival != "long_decode":
+        return set()
+    count = max(1, round(settings.tail_fraction * settings.num_tasks))
+    return set(random.Random(f"long_decode/{settings.seed}").sample(range(settings.num_tasks), count))
 
 
 def gauge_manual(chars: int) -> str:
@@ -186,7 +227,7 @@ def gauge_demonstrations(
             counts += [c for c in (task.target_calls - 1, task.target_calls + 1) if c >= 1]
         for count in counts:
             turns = [
-                (f"<bash>{GAUGE_COMMAND}</bash>", f"{gauge_reading(k + 1, rng, settings)}\n[exit code 0]")
+                (f"<bash>{task.read_command}</bash>", f"{gauge_reading(k + 1, rng, settings)}\n[exit code 0]")
                 for k in range(count)
             ]
             demos.append(Demonstration(task.instruction, (*turns, ("<finish/>", "")), count == task.target_calls))
@@ -219,7 +260,7 @@ class SimulatedToolAttempt:
         self.commands += 1
         time.sleep(latency)
         self.tool_seconds += latency
-        if command.strip() != GAUGE_COMMAND:
+        if not self.task.counts_as_read(command):
             return GaugeOutcome(f"sh: {command.strip()[:40]}: command not found", 127)
         self.calls += 1
         return GaugeOutcome(gauge_reading(self.calls, rng, self.settings), 0)
