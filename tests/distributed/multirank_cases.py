@@ -10,7 +10,8 @@ Cases: ``<objective>-<schedule>`` (``grpo-sync``, ``opd-thundersync``, ...), opt
 (``shard_statistics``), ``-spread`` (GRPO groups dealt over the ranks by trajectory), ``-odd`` (an MLP width of
 255: FSDP2 pads its shards), ``-cap1`` (``group_admission_cap=1``), ``-queue`` (``fold_queue_depth=2``),
 ``-deep`` (12 decoder layers), ``-whole`` (one gradient unit: the whole gradient at once), ``-lora`` (peft LoRA
-adapters on q/v, each an FSDP2 unit of its own) and an advantage estimator
+adapters on q/v, each an FSDP2 unit of its own), ``-backlog`` (items fed in runs ready at once, ``ingest_ready``:
+padded passes of up to 4 sequences) and an advantage estimator
 (``grpo-thundersync-sharded-odd-rloo``); ``fail-ingest`` (rank 1 raises in the
 middle of its stream: every rank must raise RankFailureError with its parameters unchanged); ``die-ingest`` (rank 1
 exits mid-stream: rank 0 must raise RankFailureError within the process group's timeout; run it last);
@@ -91,7 +92,7 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
     """Replay the case's batches on this rank (all of them when ``fabric`` is ``None``); what the test compares."""
     objective, schedule, *options = case.split("-")
     sharded = "sharded" in options
-    flags = ("sharded", "spread", "odd", "cap1", "queue", "deep", "whole", "lora")
+    flags = ("sharded", "spread", "odd", "cap1", "queue", "deep", "whole", "lora", "backlog")
     advantage = next((option for option in options if option not in flags), "grpo")
     rank, world_size = (0, 1) if fabric is None else (fabric.global_rank, fabric.world_size)
     module = StreamingPolicyModule(
@@ -106,19 +107,26 @@ def run_case(case: str, fabric=None, dtype: torch.dtype = torch.float64) -> dict
         shard_statistics=sharded,
         group_admission_cap=1 if "cap1" in options else None,
         fold_queue_depth=2 if "queue" in options else 0,
+        micro_batch_size=4,
     )
     if "whole" in options:  # one gradient unit: the whole gradient at once, as the learner held it before units
         module.layout.units = [list(range(len(module.layout.parameters)))]
     theta0 = module.layout.values()
     optimizer = _set_up(fabric, module) if fabric is not None else module.configure_optimizers()
     record = {"theta0": theta0, "directions": [], "thetas": [], "units_per_rank": [], "lockstep": [], "held": []}
+    record["passes"] = []
     for k, batch in enumerate(make_batches(objective, dtype)):
         assignment, shares = split_replay_batch(batch, world_size, spread="spread" in options)
         share = shares[rank]
         if schedule == "thundersync":
             share = share.reordered(torch.Generator().manual_seed(100 * k + rank))
-        for item in share.stream():
-            module.ingest(item)
+        if "backlog" in options:  # runs of 1-5 items ready at once, served in padded passes
+            for run in backlog_runs(share, torch.Generator().manual_seed(7 * k + rank)):
+                module.ingest_ready(run)
+        else:
+            for item in share.stream():
+                module.ingest(item)
+        record["passes"].append((len({(r.start, r.end) for r in module.service_log}), len(module.service_log)))
         lockstep = module.lockstep
         module.barrier(optimizer)
         if lockstep is not None:
@@ -332,6 +340,16 @@ def merged_reference(full: dict[str, torch.Tensor], scaling: float) -> dict[str,
             tensor = tensor + (b @ a) * scaling
         merged[name.replace(".base_layer.", ".").removeprefix("base_model.model.")] = tensor
     return merged
+
+
+def backlog_runs(batch, generator: torch.Generator) -> list[list]:
+    """The batch's plan alone, then its items in runs of 1 to 5 ready at once."""
+    items, runs = list(batch.items), [[batch.plan]]
+    while items:
+        size = int(torch.randint(1, 6, (1,), generator=generator))
+        runs.append(items[:size])
+        items = items[size:]
+    return runs
 
 
 def _set_up(fabric, module: StreamingPolicyModule):

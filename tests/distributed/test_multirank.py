@@ -20,6 +20,8 @@ from multirank_cases import DTYPES, TIMEOUT_S, run_case
 from recorded_replay import assert_float32_run_is_sync, dump_parameters, run_fit, trace
 
 CASES = ["grpo-sync", "grpo-thundersync", "opd-sync", "opd-thundersync"]
+BACKLOG_CASES = ["grpo-thundersync-backlog", "opd-thundersync-backlog", "grpo-thundersync-backlog-lora"]
+"""Each rank serving its sources in padded passes of what is ready at once (``ingest_ready``)."""
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 """Relative error of the batch direction (SPEC §5)."""
 PARAMETER_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4}
@@ -55,14 +57,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    done = _launch(out, "ddp", *CASES, "fail-ingest", "publish-every-rank", "publish-shared", "die-ingest")
+    done = _launch(
+        out, "ddp", *CASES, *BACKLOG_CASES, "fail-ingest", "publish-every-rank", "publish-shared", "die-ingest"
+    )
     return out, done
 
 
 def _check_against_one_process(out: Path, strategy: str, case: str, world_size: int = 2) -> None:
     dtype = DTYPES[strategy.partition(":")[0]]
     ranks = [_load(out, strategy, case, r) for r in range(world_size)]
-    single = run_case(case.replace("-sharded", ""), None, dtype)  # one process holds the whole statistics
+    single = run_case(case.replace("-sharded", "").replace("-backlog", ""), None, dtype)  # whole, one pass a source
     tolerance = TOLERANCE[dtype]
     for k in range(len(single["directions"])):
         if world_size == 2:
@@ -82,6 +86,16 @@ def test_ddp_two_ranks_equal_one_process_float64(ddp_run, case):
     out, done = ddp_run
     assert (out / "ddp" / case).is_dir(), done.stdout[-3000:] + done.stderr[-3000:]
     _check_against_one_process(out, "ddp", case)
+
+
+@pytest.mark.parametrize("case", BACKLOG_CASES)
+def test_ddp_two_ranks_serving_backlogs_equal_one_process_float64(ddp_run, case):
+    out, done = ddp_run
+    assert (out / "ddp" / case).is_dir(), done.stdout[-3000:] + done.stderr[-3000:]
+    _check_against_one_process(out, "ddp", case)
+    for rank in (0, 1):
+        passes = _load(out, "ddp", case, rank)["passes"]
+        assert any(served < sources for served, sources in passes), passes  # some passes served several sources
 
 
 def test_rank_failure_during_ingest_fails_the_update_on_every_rank(ddp_run):
