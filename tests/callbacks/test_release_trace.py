@@ -129,3 +129,21 @@ def test_a_fresh_run_starts_a_fresh_trace_and_a_resumed_one_continues_its_checkp
         updates == [0, 1, 2]
         and sum(r["update"] == 1 for r in read_trace(old)) == 1 + SMALL.num_groups * SMALL.group_size
     )
+
+
+def test_sources_carry_how_their_actions_were_generated(make_policy, vocab_size, tmp_path):
+    batch = synthetic_grpo_batch(vocab_size, 0, torch.Generator().manual_seed(4), SMALL)
+    datamodule = fake_datamodule(batch)
+    for number, trajectory in enumerate(datamodule.trajectories[0]):
+        record = {"generated_tokens": 10 + number, "generation_s": 0.5, "spec_steps": 3, "spec_drafted": 12}
+        trajectory.generation_record = lambda turn, record=record: record | {"spec_accepted": 7}
+    recorder = ReleaseTraceRecorder(tmp_path / "trace", datamodule=datamodule)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[recorder])
+    module = StreamingPolicyModule(make_policy())
+    fabric_module, _ = fabric.setup(module, module.configure_optimizers())
+    run_with_fabric_calls(fabric, fabric_module, batch)
+    sources = [r for r in read_trace(tmp_path / "trace") if r["record"] == "source"]
+    assert sorted(r["generated_tokens"] for r in sources) == list(range(10, 10 + len(sources)))
+    assert all(
+        (r["spec_steps"], r["spec_drafted"], r["spec_accepted"], r["generation_s"]) == (3, 12, 7, 0.5) for r in sources
+    )

@@ -57,7 +57,7 @@ def _write_run(run_dir: Path, steps: tuple[float, float, float] = (9.0, 3.0, 2.5
 
 def test_measure_run_accounts_over_the_updates_after_warmup(tmp_path):
     _write_run(tmp_path / "run")
-    m = measure_run(tmp_path / "run", "async", warmup=1)
+    m = measure_run(tmp_path / "run", "thundersync", warmup=1)
     assert m.updates == 2 and m.step_s == pytest.approx(2.75) and m.mean_reward == pytest.approx(0.75)
     assert m.mfu == pytest.approx(0.3) and m.max_policy_lag == 1 and m.mean_policy_lag == pytest.approx(0.75)
     assert m.learner_service_s == pytest.approx(1.25) and m.rollout_close_s == pytest.approx(1.75)
@@ -68,7 +68,15 @@ def test_measure_run_accounts_over_the_updates_after_warmup(tmp_path):
     assert m.predicted_speedup == pytest.approx(7.0 / 5.2)
     # Async estimates max(R, L) + P: max(2.0, 1.5) + 0.5 = 2.5 and max(1.5, 1.0) + 0.5 = 2.0.
     assert m.replay_vs_async == pytest.approx(5.2 / 4.5)
-    assert m.speedup_vs_sync is None and "async" in format_table([m])
+    assert m.speedup_vs_sync is None and "thundersync" in format_table([m])
+
+
+def test_async_leaves_out_its_last_update_which_overlaps_no_rollout(tmp_path):
+    _write_run(tmp_path / "run")
+    m = measure_run(tmp_path / "run", "async", warmup=1)
+    assert m.updates == 1 and m.step_s == pytest.approx(3.0)  # update 2 (2.5 s) had no next batch beside it
+    with pytest.raises(ValueError, match="exceed warmup \\+ 1"):
+        bench(str(CONFIG), ["sync", "async"], updates=2, warmup=1)
 
 
 def test_measure_run_needs_updates_after_warmup(tmp_path):

@@ -43,19 +43,30 @@ def vllm_lora_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_speculative_server(tmp_path_factory):
+    """Like :func:`vllm_server`, speculating with the ngram drafter (``rollout.speculative``'s defaults) and reporting
+    per-request acceptance counts."""
+    from tslightning.rollout.speculative import SpeculativeSettings
+
+    yield from _serve(tmp_path_factory.mktemp("vllm-speculative-server"), speculative=SpeculativeSettings())
+
+
+@pytest.fixture(scope="session")
 def vllm_teacher_server(tmp_path_factory):
     """A server on the tiny Qwen2 that nothing publishes to: an OPD teacher (its weights stay the checkpoint's)."""
     yield from _serve(tmp_path_factory.mktemp("vllm-teacher-server"))
 
 
-def _serve(root: Path, lora_rank: int | None = None):
+def _serve(root: Path, lora_rank: int | None = None, speculative=None):
     pytest.importorskip("vllm")
     model_dir = save_tiny_model(root / "tiny")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     extra = ["--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
-    command, environment = server_command(str(model_dir), port, python=sys.executable, extra=extra, lora_rank=lora_rank)
+    command, environment = server_command(
+        str(model_dir), port, python=sys.executable, extra=extra, lora_rank=lora_rank, speculative=speculative
+    )
     log = root / "server.log"
     with log.open("w") as output:
         process = subprocess.Popen(

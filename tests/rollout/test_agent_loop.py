@@ -138,3 +138,28 @@ def test_a_slow_tool_does_not_block_other_trajectories(tokenizer):
     assert [index for index, _ in finished] == [1, 0]
     assert finished[0][1] - start < 0.5
     assert "MainThread" not in slow.threads
+
+
+def test_speculative_generations_keep_their_counts_and_no_log_probs(tokenizer):
+    import dataclasses
+
+    from tslightning.rollout.speculative import SpeculationStats
+
+    class SpeculatingEngine(ScriptedEngine):
+        def submit(self, request):
+            generation = super().submit(request).result()
+            future = type(super().submit(request))()
+            future.set_result(dataclasses.replace(generation, logprobs=None, speculation=SpeculationStats(2, 8, 5)))
+            return future
+
+    engine = SpeculatingEngine(tokenizer, {0: ["<bash>ls</bash>", "<finish/>"]})
+    trajectory = run(AgentLoop(engine, tokenizer), RecordingAttempt())
+    assert all(turn.action_logprobs is None for turn in trajectory.turns)
+    record = trajectory.generation_record()
+    assert record["spec_steps"] == 4 and record["spec_drafted"] == 16 and record["spec_accepted"] == 10
+    assert record["generated_tokens"] == sum(len(t.action_token_ids) for t in trajectory.turns)
+    assert trajectory.generation_record(1)["spec_steps"] == 2
+    trajectory.teacher_logprobs[0] = torch.zeros(len(trajectory.turns[0].action_token_ids))
+    assert trajectory.teacher_gap() == (0.0, 0)  # untrusted engine log-probs count nothing
+    plain = run(AgentLoop(ScriptedEngine(tokenizer, {0: ["<finish/>"]}), tokenizer), RecordingAttempt())
+    assert plain.generation_record()["spec_steps"] is None

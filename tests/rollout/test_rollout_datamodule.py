@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -304,3 +305,62 @@ def test_train_dataloader_prefetches_no_rollout(tokenizer):
     assert isinstance(next(first), BatchPlan) and sum(1 for _ in first) > 0
     assert dm.update_starts.keys() == {0}  # update 1 rolls out only once the learner starts it
     assert isinstance(next(second), BatchPlan)
+
+
+def test_take_ready_hands_over_what_is_ready_without_waiting(tokenizer):
+    dm = datamodule(tokenizer)
+    stream = dm.stream_update(0)
+    assert stream.take_ready() == []  # nothing runs before the plan is taken
+    plan = next(stream)
+    assert isinstance(plan, BatchPlan) and stream.take_ready() == []  # the rollout starts with the next request
+    first = next(stream)
+    items = [first]
+    while not isinstance(items[-1], BatchClosed):
+        time.sleep(0.05)  # a busy learner: everything finished meanwhile is handed over at once
+        items += stream.take_ready() or [next(stream)]
+    assert [type(i).__name__ for i in items].count("TrajectorySource") == 6 and isinstance(items[-1], BatchClosed)
+    assert stream.take_ready() == [] and next(stream, None) is None
+
+
+def test_a_failure_behind_ready_items_is_raised_by_the_next_call(tokenizer):
+    from tslightning.rollout.continuous_rollout import RolloutFailure
+    from tslightning.rollout.ready_items import ReadyItems
+
+    plan = BatchPlan(Objective.GRPO, 0, {"g": 1})
+    source = TrajectorySource("g", 0, torch.tensor([1, 2]), torch.tensor([False, True]), 1.0, 0, 1)
+
+    def start():
+        def begin(ready):
+            for item in (source, RolloutFailure(OSError("replica died"))):
+                ready.put(item)
+            thread = threading.Thread(target=lambda: None)
+            thread.start()
+            return thread
+
+        return plan, begin
+
+    stream = ReadyItems(0, start)
+    assert next(stream) is plan and next(stream) is source  # the producer starts with the first request after the plan
+    with pytest.raises(RuntimeError, match="replica died"):
+        stream.take_ready()
+
+
+def test_a_busy_learner_serves_the_backlog_in_padded_passes_to_the_same_update(tokenizer, make_policy):
+    """The Fabric loop's consumption (each item, then whatever else is ready) against per-item ingestion."""
+    from tslightning.loop.updates import ready_now
+
+    directions, passes = [], []
+    for backlog in (False, True):
+        dm = datamodule(tokenizer, delays={t.task_id: 0.05 * i for i, t in enumerate(TASKS)})
+        module = StreamingPolicyModule(make_policy(), "grpo", "thundersync", micro_batch_size=4)
+        optimizer = module.configure_optimizers()
+        stream = dm.stream_update(0)
+        for item in stream:
+            ready = [item, *ready_now(stream)] if backlog else [item]
+            time.sleep(0.2 if backlog else 0.0)  # each serving takes long enough for a backlog to form
+            module.ingest_ready(ready)
+        module.barrier(optimizer)
+        directions.append(module.last_direction)
+        passes.append(len({(r.start, r.end) for r in module.service_log}))
+    assert torch.allclose(directions[0], directions[1], rtol=1e-5, atol=1e-7)
+    assert passes[1] < passes[0] == 6

@@ -13,3 +13,14 @@ def test_each_rank_starts_at_its_own_server_and_then_balances_by_load():
     rank1.done(2)
     assert rank1.send("g3/0") == 2
     assert SessionRouter(2, first=5).send("g0/0") == 1  # a rank index past the servers wraps
+
+
+def test_a_groups_members_spread_over_the_servers_whatever_the_load():
+    router = SessionRouter(2)
+    first = router.send("u0/p0/task/0")
+    router.done(first)  # idle again: by load alone the next member would go to the same server
+    second = router.send("u0/p0/task/1")
+    assert {first, second} == {0, 1}
+    router.done(second)
+    assert router.send("u0/p0/task/0") == first  # a trajectory's later turns stay where its prefix is cached
+    assert router.send("plain") in (0, 1) and router.send("u0/p1/other/0") == 0  # another group starts afresh

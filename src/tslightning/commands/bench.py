@@ -4,7 +4,8 @@ Every schedule runs the same ``tslightning fit`` config (same seed, tasks, model
 one after the other, so no run competes with another for cores. From each run's outputs — the release trace, the
 CSV metrics and ``rewards.json`` — the bench reports, over the updates after ``warmup`` (App. B.3's window):
 
-* mean step wall time, and the speedup vs ``sync`` as the ratio of mean step times;
+* mean step wall time, and the speedup vs ``sync`` as the ratio of mean step times (``async``'s last update is left
+  out too: there is no next batch to roll out beside it, so it is not a steady-state step);
 * trainer active MFU (Eq. 10, from :class:`~tslightning.callbacks.MFUMonitor`);
 * learner service time per update (the sum of the learner's busy intervals) and its ratio to ``sync``'s;
 * learner and rollout idle fractions of wall time (the Fig. 3 timeline's shares);
@@ -166,7 +167,8 @@ def measure_runs(
     pooled wall time, and the replay prediction as the ratio of the pooled replayed endpoints."""
     if not run_dirs:
         raise ValueError("measure_runs needs at least one run directory")
-    runs = [_RunOutputs.read(Path(d), warmup) for d in run_dirs]
+    cooldown = 1 if schedule == "async" else 0  # its last update overlaps no rollout: not a steady-state step
+    runs = [_RunOutputs.read(Path(d), warmup, cooldown) for d in run_dirs]
     steps = [s for run in runs for s in run.steps]
     services = [s for run in runs for s in run.services]
     closes = [c for run in runs for c in run.closes]
@@ -228,11 +230,14 @@ class _RunOutputs:
     tails: list = ()
 
     @classmethod
-    def read(cls, run_dir: Path, warmup: int) -> _RunOutputs:
+    def read(cls, run_dir: Path, warmup: int, cooldown: int = 0) -> _RunOutputs:
         result = json.loads((run_dir / "rewards.json").read_text())
-        steps = result["step_seconds"][warmup:]
+        steps = result["step_seconds"][warmup : len(result["step_seconds"]) - cooldown]
         if not steps:
-            raise ValueError(f"{run_dir}: {len(result['step_seconds'])} update(s) leave none after warmup={warmup}")
+            raise ValueError(
+                f"{run_dir}: {len(result['step_seconds'])} update(s) leave none after warmup={warmup} and the last "
+                f"{cooldown} (async's last update has no rollout beside it)"
+            )
         records = read_trace(run_dir / "trace")
         kept = [r for r in records if r["update"] >= _first_version(records) + warmup]
         update_records = [r for r in kept if r["record"] == "update"]
@@ -449,6 +454,11 @@ def _check_arguments(
         raise ValueError(f"schedules {list(unknown) or '[]'} are not among {', '.join(SCHEDULES)}")
     if warmup < 0 or updates <= warmup:
         raise ValueError(f"updates ({updates}) must exceed warmup ({warmup}) >= 0, leaving updates to measure")
+    if "async" in schedules and updates <= warmup + 1:
+        raise ValueError(
+            f"updates ({updates}) must exceed warmup + 1 ({warmup + 1}) with async: its last update rolls out no next "
+            "batch beside it, so it is left out of the means"
+        )
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1 (runs of every schedule); got {repeats}")
     unnamed = [name for name in variants or {} if not re.fullmatch(r"[A-Za-z0-9_.]+", name)]

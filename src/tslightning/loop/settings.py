@@ -184,6 +184,10 @@ class RolloutSettings:
     """m, trajectories sampled per prompt (the GRPO group size; ``grpo_sample`` and ``rloo`` need 2 or more)."""
     max_concurrent_attempts: int = 8
     """Attempts (trajectories) in flight at once; each holds a sandbox."""
+    admission_order: Literal["task", "longest_first"] = "task"
+    """Which attempts start first when ``max_concurrent_attempts`` is below the batch: ``task`` order, or
+    ``longest_first`` by each task's sampled length in its last update, so the likely stragglers start early. Only
+    the start order changes: the same trajectories are sampled (:mod:`tslightning.rollout.admission_order`)."""
     prefetch_environments: int = 8
     """Environment prefetch (terminal tasks; ``sync``, ``thundersync``, ``async``): once update k's last attempt
     has opened its environment, open the first this many attempt environments of update k+1 (their tasks are known

@@ -312,6 +312,7 @@ def rollout_datamodule(
         cpus=(placement or RankPlacement(0, 1)).share(rollout.cpus),
         prefetch_environments=rollout.prefetch_environments if rollout.environment == "terminal" else 0,
         agent=agent,
+        admission_order=rollout.admission_order,
     )
 
 

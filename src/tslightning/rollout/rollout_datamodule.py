@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from tslightning.core.batch_registry import BatchPlan, Objective
 from tslightning.core.sources import BatchClosed, GroupClosed, StreamItem, TrajectoryClosed
 from tslightning.distributed.rank_assignment import RankAssignment, units_of
+from tslightning.rollout.admission_order import AdmissionOrder, LengthHistory
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop, AgentTrajectory, AgentTurn, TaskAttempt
 from tslightning.rollout.continuous_rollout import ContinuousRollout, RolloutFailure
 from tslightning.rollout.engine import RolloutEngine
@@ -120,6 +121,9 @@ class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
             out one update at a time (``sync``, ``thundersync``, ``async``), not ``stream_continuous``.
         agent: What acts in each attempt; ``None``: the built-in :class:`~tslightning.rollout.agent_loop.AgentLoop`
             on ``engine`` with ``limits`` (a harness agent brings its own gateway in front of ``engine``).
+        admission_order: Which attempts start first when ``max_concurrent_attempts`` is below the batch: ``task``
+            order, or ``longest_first`` by each task's sampled length in its last update (the same trajectories are
+            sampled either way, :mod:`~tslightning.rollout.admission_order`).
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
         cpus: Sequence[int] | None = None,
         prefetch_environments: int = 0,
         agent: Agent | None = None,
+        admission_order: AdmissionOrder = "task",
     ) -> None:
         super().__init__()
         self.objective = Objective(objective)
@@ -189,6 +194,9 @@ class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
             EnvironmentPrefetch(attempt_factory, prefetch_environments, self.cpus) if prefetch_environments else None
         )
         self.environment_setup = EnvironmentSetup(attempt_factory, self.cpus)
+        self.admission_order = admission_order
+        self.lengths = LengthHistory()
+        """Each task's sampled tokens per trajectory in its last update (``longest_first``'s prediction)."""
         """Opens and closes the attempts' environments on threads of their own, off the agent loop."""
         self._unopened: dict[int, int] = {}
         """Per update: its attempts that have not opened their environment yet."""
@@ -274,6 +282,7 @@ class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
                 self._rollout(update, tasks, emit), self.max_concurrent_attempts, self.cpus
             )
             self.trajectories[update] = trajectories
+            self.lengths.record(trajectories)
             emit(BatchClosed(version))
         except BaseException as error:  # surfaced in the consumer, never swallowed
             self._unopened.pop(update, None)
@@ -337,6 +346,8 @@ class RolloutDataModule(ContinuousRollout, L.LightningDataModule):
             emit(GroupClosed(group_id))
             return members
 
+        if self.admission_order == "longest_first":  # only the start order changes, never what is sampled
+            tasks = self.lengths.longest_first(tasks, {g: task.task_id for g, (task, _) in tasks.items()})
         groups = await asyncio.gather(*(group(g, task, indices) for g, (task, indices) in tasks.items()))
         return [t for members in groups for t in members]
 

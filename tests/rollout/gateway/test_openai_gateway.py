@@ -198,3 +198,17 @@ def test_a_port_in_use_is_refused_at_start_and_leaves_no_thread(served, tokenize
     with pytest.raises(OSError):
         second.start()
     assert not second._thread.is_alive()
+
+
+def test_a_speculating_engine_refuses_log_probs_before_sampling(tokenizer):
+    from tslightning.rollout.speculative import SpeculativeSettings
+
+    engine = CharacterEngine(tokenizer, lambda request: "ls")
+    engine.speculative = SpeculativeSettings()
+    with OpenAIGateway(engine, tokenizer, LIMITS, run_seed=7, model_name=MODEL) as gateway:
+        client = _client(gateway, gateway.open_attempt("count", "g", 0, update=0).key)
+        with pytest.raises(openai.BadRequestError, match="speculative decoding") as refused:
+            client.chat.completions.create(model=MODEL, messages=[SYSTEM, USER], logprobs=True)
+        assert refused.value.body["param"] == "logprobs" and engine.requests == []  # nothing was sampled
+        reply = client.chat.completions.create(model=MODEL, messages=[SYSTEM, USER])
+        assert reply.choices[0].message.content == "ls"
