@@ -212,8 +212,8 @@ def test_sharded_parameters_two_ranks_equal_one_process(sharded_run, case):
         (ticks0, idle0, sources0), (ticks1, idle1, sources1) = (r["lockstep"][k] for r in ranks)
         assert ticks0 == ticks1  # every pass paired with one on the other rank
         idle_anywhere += idle0 + idle1
-        # real passes: one per source (thundersync) or per padded micro-batch of 8 (sync)
-        per_pass = 8 if case.endswith("-sync") else 1
+        # real passes: one per source (thundersync, fed one item at a time) or per padded micro-batch of 4 (sync)
+        per_pass = 4 if case.endswith("-sync") else 1
         assert ticks0 - idle0 == -(-sources0 // per_pass) and ticks1 - idle1 == -(-sources1 // per_pass)
     assert idle_anywhere > 0  # uneven shares and orders: some rank ran idle passes to keep the gathers paired
 

@@ -9,8 +9,8 @@ form the next backlog. The update is the same: a pass's weights are those the pe
 (final advantages where a group's m rewards are known, else the group's running sums, Eq. 7), so the barrier sees the
 same g_k up to floating-point summation order.
 
-Served per source as before: the ``boundary`` context backward (its passes continue cached context states), groups
-spread over ranks under sharded statistics, and ``micro_batch_size`` 1.
+Served per source as before: the ``boundary`` context backward (its passes continue cached context states), sharded
+statistics (a source is counted on every rank through its pass's exchange), and ``micro_batch_size`` 1.
 """
 
 from __future__ import annotations
@@ -59,12 +59,13 @@ class BatchedServing:
     @property
     def serves_backlogs(self) -> bool:
         """Whether several ready sources are served as one padded pass (``thundersync`` with ``micro_batch_size`` >
-        1, the recompute context backward and whole groups on this rank)."""
+        1, the recompute context backward and whole statistics on this rank)."""
         return (
             self.schedule is Schedule.THUNDERSYNC
             and self.micro_batch_size > 1
             and self.context_backward.value == "recompute"
             and self.spread is None
+            and self.shards is None  # sharded statistics count each source on every rank, in its pass's exchange
         )
 
     def _defer(self, work: Source | GroupClosed) -> bool:
