@@ -3,6 +3,7 @@ kept), the learner's cores, the engine and the teacher."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from tslightning.loop.settings import ModelSettings, RolloutSettings
 from tslightning.loop.startup import learner_cores, prepare_policy
 from tslightning.loop.task_selection import training_tasks
 from tslightning.loop.warm_start import WarmStartSettings
+from tslightning.rollout.replica_server import ReplicaServer
 from tslightning.tasks.validation import library_dir
 
 
@@ -94,7 +96,9 @@ def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_the
         "max_model_len": 512,
         "extra": ["--tensor-parallel-size", "1", "--enforce-eager"],  # the launcher appends rollout.ray.server_args
         "lora_rank": None,  # not a LoRA run: no adapters at runtime
+        "speculative": None,  # rollout.speculative unset: the servers do not speculate
     }
+    inspect.signature(ReplicaServer).bind(str(replicas.model), None, "log", **replicas.options)  # the actor takes them
     with pytest.raises(ValueError, match="serves another model"):
         startup.start_engine(rollout, tmp_path / "policy-0", "float32", max_model_len=13)
     assert launched[1].closed  # no replica outlives an engine that did not start

@@ -9,6 +9,7 @@ import time
 
 import tslightning.rollout.replica_server as replica_server
 from tslightning.rollout.replica_server import ReplicaServer
+from tslightning.rollout.speculative import SpeculativeSettings
 
 STAND_IN = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
 STAND_IN += "print('serving', flush=True); time.sleep(600)"
@@ -32,9 +33,13 @@ def test_the_server_starts_with_the_engine_flags_and_stops_with_its_whole_group(
 
     monkeypatch.setattr(replica_server, "server_command", command)
     log = tmp_path / "logs" / "replica-0-0.log"
-    server = ReplicaServer("tiny", "127.0.0.1", str(log), transport="gloo", dtype="float32", max_model_len=512)
+    speculative = SpeculativeSettings(method="ngram")
+    server = ReplicaServer(
+        "tiny", "127.0.0.1", str(log), transport="gloo", dtype="float32", max_model_len=512, speculative=speculative
+    )
     url = server.start()
     assert url == f"http://127.0.0.1:{seen['port']}" and seen["model"] == "tiny" and seen["max_model_len"] == 512
+    assert seen["speculative"] is speculative  # the launcher's rollout.speculative reaches the server's flags
     deadline = time.monotonic() + 60
     while "serving" not in server.log_tail() and time.monotonic() < deadline:
         time.sleep(0.1)

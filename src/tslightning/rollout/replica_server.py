@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tslightning.rollout.speculative import SpeculativeSettings
 from tslightning.rollout.vllm_server_check import server_command
 
 __all__ = ["ReplicaServer"]
@@ -40,6 +41,7 @@ class ReplicaServer:
         max_model_len: Its context length in tokens.
         extra: More ``api_server`` flags (``--kv-cache-memory-bytes``, ``--tensor-parallel-size``, ...).
         lora_rank: A LoRA run's rank: the server loads adapters at runtime (LoRA runs publish the adapter).
+        speculative: ``rollout.speculative``: the server speculates with this drafter (``None``: it does not).
     """
 
     def __init__(
@@ -53,10 +55,11 @@ class ReplicaServer:
         max_model_len: int,
         extra: Sequence[str] = (),
         lora_rank: int | None = None,
+        speculative: SpeculativeSettings | None = None,
     ) -> None:
         self.model, self.host, self.log_path = model, host, Path(log_path)
         self.options = {"transport": transport, "dtype": dtype, "max_model_len": max_model_len, "extra": list(extra)}
-        self.options["lora_rank"] = lora_rank
+        self.options.update(lora_rank=lora_rank, speculative=speculative)
         self.process: subprocess.Popen | None = None
 
     def start(self) -> str:

@@ -104,7 +104,8 @@ def test_fit_trains_mini_swe_agent_at_lag_zero_equal_to_the_sync_replay(vllm_ser
                 differs += tokenizer.encode(text, add_special_tokens=False) != call["sampled_ids"]
             if (logs / "commands.jsonl").exists():
                 commands += len((logs / "commands.jsonl").read_text().splitlines())
-    assert differs > 0  # re-tokenizing the replies would not have given the sampled ids
+    # How many replies re-tokenize to other ids depends on how canonically the warm-started policy samples (none on
+    # some seeds); test_harness_agent proves with non-canonical ids that the sampled ones, never the text's, are trained
     assert commands > 0  # mini-swe-agent's commands ran in the attempts' sandboxes (their logs)
     print(f"{commands} commands in the sandbox; {differs} replies whose text re-tokenizes to other ids; "
           f"{segmented} trajectories of several segments")  # fmt: skip
