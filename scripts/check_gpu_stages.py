@@ -134,7 +134,7 @@ def _no_cli_dependency() -> tuple[str, bool, str]:
     import tslightning.commands.verification  # noqa: F401
     import tslightning.loop.fit  # noqa: F401
     import tslightning.measure.memory_plan  # noqa: F401
-    import tslightning.rollout.vllm_engine  # noqa: F401
+    import tslightning.rollout.vllm_engine.engine  # noqa: F401
 
     imported = sorted(name for name in sys.modules if name.split(".")[0] == "jsonargparse")
     return "the Python API imports without jsonargparse", not before and not imported, imported
@@ -463,7 +463,7 @@ def vllm(device: str, out: Path) -> Report:
     from tslightning.callbacks.published_weights import REPLICATED, PublishedWeights, step_completion
     from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
     from tslightning.rollout.engine import GenerationRequest
-    from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+    from tslightning.rollout.vllm_engine.engine import VLLMRolloutEngine
 
     path = save_tiny_model(out / "tiny")
     policy, _ = load_tiny_model(path)

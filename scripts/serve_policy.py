@@ -4,7 +4,7 @@
     .venv/bin/python scripts/serve_policy.py --model runs/decode-tail-policy/policy-0 --port 8124 --cpus 0 \\
         --speculative '{"method": "ngram"}'      # rollout.speculative's settings (the run must name the same)
 
-The command line is :func:`tslightning.rollout.vllm_server_check.server_command`'s (weight-sync routes, token-in/out
+The command line is :func:`tslightning.rollout.vllm_server.check.server_command`'s (weight-sync routes, token-in/out
 generation, log-probs of the sampling distribution, the gloo weight-transfer backend on CPU; with ``--speculative``
 the drafter, its batch-size schedule and per-request acceptance counts). ``--cpus`` pins every process of the server
 to those cores (``taskset``) and vLLM's CPU threads to them, as the benchmarks run it beside a learner on other cores.
@@ -26,7 +26,7 @@ from pathlib import Path
 import requests
 
 from tslightning.rollout.speculative import SpeculativeSettings
-from tslightning.rollout.vllm_server_check import server_command
+from tslightning.rollout.vllm_server.check import server_command
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ class _StreamingEngine:
     """Receives each publication tensor by tensor, once per server, logging every tensor as it arrives."""
 
     serving_dtype = torch.bfloat16
+    accepts_weight_stream = True
 
     def __init__(self, log: list[str], servers: int = 1) -> None:
         self.log, self.servers, self.policy_version, self.received = log, servers, 0, []

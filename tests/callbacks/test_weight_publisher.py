@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from harness import HOSTS, FakeEngine, MemoryLogger, grpo_batch, run_updates
+from harness import HOSTS, FakeEngine, MemoryLogger, PlainModule, fit_plain, grpo_batch, plain_batches, run_updates
 from peft import LoraConfig, get_peft_model
 
 from tslightning.callbacks import WeightPublisher
@@ -17,8 +17,8 @@ from tslightning.callbacks.weight_publisher import publishable_state_dict
 from tslightning.core.sources import BatchClosed
 from tslightning.learner.streaming_module import OptimizerSettings, StreamingPolicyModule
 from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
-from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
-from tslightning.rollout.hf_engine import HFRolloutEngine
+from tslightning.rollout.engine import GenerationRequest, PublishReceipt, RolloutEngineError
+from tslightning.rollout.hf.engine import HFRolloutEngine
 
 ENGINE_ATOL = 2e-5  # float32: the engine's cached decode vs one full forward in the learner
 
@@ -156,3 +156,29 @@ def test_every_rank_publication_on_one_rank_publishes_and_raises_its_own_failure
     failing = WeightPublisher(FakeEngine(version_offset=1), every_rank=True)
     with pytest.raises(RolloutEngineError, match="acknowledged version 3"):
         failing.on_train_batch_end(fabric, stub_module(2), None, BatchClosed(1), 1)
+
+
+class _StateDictEngine:
+    """Another project's engine, written against ``publish(state_dict, policy_version)``: its replica loads the
+    state dict with ``load_state_dict`` (which refuses anything that is not a mapping)."""
+
+    def __init__(self) -> None:
+        self.replica = torch.nn.Linear(4, 1, dtype=torch.float64)
+        self.policy_version, self.versions = 0, []
+
+    def publish(self, state_dict, policy_version: int) -> PublishReceipt:
+        self.replica.load_state_dict(state_dict)
+        self.policy_version = policy_version
+        self.versions.append(policy_version)
+        return PublishReceipt(policy_version, replicas=1, seconds=0.0)
+
+
+def test_an_engine_that_loads_a_state_dict_serves_each_update_under_a_plain_trainer(tmp_path):
+    """A plain ``Trainer`` fitting a module that is not ours: each optimizer step is an update, and an engine that is
+    not written for tslightning's weight streams is handed a state dict it can ``load_state_dict``."""
+    engine = _StateDictEngine()
+    module = PlainModule()
+    fit_plain(module, plain_batches(3), [WeightPublisher(engine, policy=lambda m: m.layer)], tmp_path)
+    assert engine.versions == [1, 2, 3]
+    for name, tensor in module.layer.state_dict().items():
+        assert torch.equal(engine.replica.state_dict()[name], tensor)  # it serves the trained θ_3

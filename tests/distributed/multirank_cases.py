@@ -229,6 +229,7 @@ class _SharedEngine:
     rank 1's what it follows, and fails if asked to publish."""
 
     shared_servers = True
+    accepts_weight_stream = True
 
     def __init__(self, rank: int) -> None:
         self.rank, self.policy_version, self.published, self.followed = rank, 0, [], []
@@ -244,7 +245,7 @@ class _SharedEngine:
         return PublishReceipt(policy_version, replicas=2, seconds=0.0)
 
     def served(self):
-        from tslightning.rollout.vllm_server_engine import ServedVersion
+        from tslightning.rollout.vllm_server.engine import ServedVersion
 
         return ServedVersion(self.policy_version, None, {0: "http://a:1", 1: f"http://b:{self.policy_version}"})
 
@@ -276,6 +277,7 @@ class _TwoServerEngine:
 
     shared_servers = True
     serving_dtype = torch.bfloat16
+    accepts_weight_stream = True
 
     def __init__(self, rank: int) -> None:
         self.rank, self.policy_version, self.passes = rank, 0, []
@@ -289,7 +291,7 @@ class _TwoServerEngine:
         return PublishReceipt(policy_version, replicas=2, seconds=0.0)
 
     def served(self):
-        from tslightning.rollout.vllm_server_engine import ServedVersion
+        from tslightning.rollout.vllm_server.engine import ServedVersion
 
         return ServedVersion(self.policy_version, None, {0: "http://a:1", 1: "http://b:1"})
 

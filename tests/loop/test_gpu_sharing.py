@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tslightning.loop.startup as startup
-import tslightning.rollout.vllm_engine as vllm_engine
+import tslightning.rollout.vllm_engine.engine as vllm_engine
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.distributed.rank_placement import RankPlacement
 from tslightning.loop.gpu_sharing import CONTEXT_MARGIN_BYTES, gpu_sharing_problems, teacher_bytes

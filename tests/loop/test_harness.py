@@ -9,7 +9,7 @@ import requests
 
 from tslightning.loop.harness import start_harness, warm_start_format
 from tslightning.loop.settings import RolloutSettings
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.harness.settings import HarnessSettings
 
 
 class _Engine:

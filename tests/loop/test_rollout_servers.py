@@ -8,10 +8,10 @@ import pytest
 import torch.distributed
 
 import tslightning.loop.rollout_servers as rollout_servers
-import tslightning.rollout.replica_launcher as replica_launcher
-import tslightning.rollout.vllm_server_engine as server_engine
+import tslightning.rollout.vllm_server.engine as server_engine
+import tslightning.rollout.vllm_server.ray_launcher as replica_launcher
 from tslightning.loop.settings import RolloutSettings
-from tslightning.rollout.vllm_server_engine import ServedVersion
+from tslightning.rollout.vllm_server.engine import ServedVersion
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 

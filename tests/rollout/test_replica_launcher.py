@@ -19,7 +19,7 @@ import pytest
 
 from tslightning.core.sources import BatchClosed, TrajectorySource
 from tslightning.loop.settings import RolloutSettings
-from tslightning.rollout.replica_launcher import RayReplicas, RaySettings
+from tslightning.rollout.vllm_server.ray_launcher import RayReplicas, RaySettings
 
 ROOT = Path(__file__).parents[2]
 UPDATES, PROMPTS, SAMPLES = 3, 2, 2
@@ -160,8 +160,8 @@ def test_the_health_thread_restarts_an_exited_server_at_once_and_a_silent_one_af
     at its first missed check, 1 at its third, 2 never."""
     import threading
 
-    import tslightning.rollout.replica_launcher as launcher
-    from tslightning.rollout.replica_launcher import MISSES_BEFORE_RESTART, _Replica
+    import tslightning.rollout.vllm_server.ray_launcher as launcher
+    from tslightning.rollout.vllm_server.ray_launcher import MISSES_BEFORE_RESTART, _Replica
 
     checks: Counter = Counter()
     lost: list[tuple[int, int]] = []
@@ -204,7 +204,7 @@ def test_the_teacher_settings_out_of_range_are_named_only_when_it_is_launched():
 
 
 def test_the_teacher_is_one_server_of_its_own_resources_that_waits_for_its_restarts(monkeypatch, tmp_path):
-    import tslightning.rollout.replica_launcher as launcher
+    import tslightning.rollout.vllm_server.ray_launcher as launcher
 
     launched = []
     monkeypatch.setattr(launcher, "RayReplicas", lambda *args, **kwargs: launched.append((args, kwargs)))
@@ -225,7 +225,7 @@ def test_the_teacher_is_one_server_of_its_own_resources_that_waits_for_its_resta
 
 
 def test_the_cluster_must_hold_the_replicas_and_the_launched_teacher_at_once():
-    from tslightning.rollout.replica_launcher import _check_resources
+    from tslightning.rollout.vllm_server.ray_launcher import _check_resources
 
     ray = SimpleNamespace(cluster_resources=lambda: {"CPU": 4.0})
     settings = RaySettings(replicas=2, num_cpus=1.5, teacher=True, teacher_num_cpus=2)
@@ -243,7 +243,7 @@ def test_the_cluster_must_hold_the_replicas_and_the_launched_teacher_at_once():
 def test_a_loss_reported_for_an_earlier_generation_restarts_nothing(monkeypatch):
     import threading
 
-    from tslightning.rollout.replica_launcher import _Replica
+    from tslightning.rollout.vllm_server.ray_launcher import _Replica
 
     replicas = RayReplicas.__new__(RayReplicas)
     replicas._lock, replicas._closed = threading.Condition(), False

@@ -7,9 +7,9 @@ import os
 import sys
 import time
 
-import tslightning.rollout.replica_server as replica_server
-from tslightning.rollout.replica_server import ReplicaServer
+import tslightning.rollout.vllm_server.ray_replica as replica_server
 from tslightning.rollout.speculative import SpeculativeSettings
+from tslightning.rollout.vllm_server.ray_replica import ReplicaServer
 
 STAND_IN = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
 STAND_IN += "print('serving', flush=True); time.sleep(600)"

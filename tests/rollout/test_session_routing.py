@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tslightning.rollout.session_routing import SessionRouter
+from tslightning.rollout.vllm_server.session_routing import SessionRouter
 
 
 def test_each_rank_starts_at_its_own_server_and_then_balances_by_load():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tslightning.rollout.speculative import SpeculationStats, SpeculativeSettings, speculative_problems
-from tslightning.rollout.vllm_server_check import server_command
+from tslightning.rollout.vllm_server.check import server_command
 
 URL = "http://127.0.0.1:8000"
 

@@ -15,7 +15,7 @@ import torch
 from tslightning.models.tiny_model import load_tiny_model
 from tslightning.rollout.teacher import TeacherScorer
 from tslightning.rollout.teacher_server import TeacherServer
-from tslightning.rollout.vllm_server_check import PROBE_TEXT
+from tslightning.rollout.vllm_server.check import PROBE_TEXT
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' fit runner and replay, shared
@@ -111,14 +111,15 @@ class _Session:
 
     posted: list[str] = []
 
-    def post(self, url, json, timeout):
+    def post(self, url, json, timeout, params=None):
         import requests
 
         _Session.posted.append(url)
         if "dead" in url:
             raise requests.ConnectionError("connection refused")
         entries = [None] + [{str(t): {"logprob": -p / 10}} for p, t in enumerate(json["token_ids"]) if p]
-        return SimpleNamespace(status_code=200, json=lambda: {"prompt_logprobs": entries}, text="")
+        answer = {"prompt_logprobs": entries}
+        return SimpleNamespace(status_code=200, json=lambda: answer, text="", content=b"{}", url=url)
 
 
 class _Launcher:

@@ -1,5 +1,5 @@
-"""The CPU rejection sampler's repair (:mod:`tslightning.rollout.vllm_cpu_sampling`): the expand it installs has the
-Triton kernel's semantics, vLLM's rejection sampler draws from the target distribution with it (χ² at the draft
+"""The CPU rejection sampler's repair (:mod:`tslightning.rollout.vllm_engine.cpu_sampling`): the expand it installs
+has the Triton kernel's semantics, vLLM's rejection sampler draws from the target distribution with it (χ² at the draft
 positions, temperature 0.7), and the same test catches a sampler that scales the draft positions by a wrong
 temperature — vLLM 0.32's CPU fallback does, with uninitialized memory."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from sampling_statistics import goodness_of_fit_p_value
 
-from tslightning.rollout.vllm_cpu_sampling import EXPAND_KERNEL, expand_exactly, expand_is_exact, install
+from tslightning.rollout.vllm_engine.cpu_sampling import EXPAND_KERNEL, expand_exactly, expand_is_exact, install
 
 P_THRESHOLD = 1e-3
 """Reject "drawn from the target distribution" below this p-value (each test's samples: 4,000 draws)."""
@@ -107,7 +107,7 @@ def _first_tokens(rejection_sampler, temperature: float, draws: int) -> list[int
 
 
 def test_vllms_own_cpu_fallback_writes_into_a_copy(sampler):
-    from tslightning.rollout import vllm_cpu_sampling
+    from tslightning.rollout.vllm_engine import cpu_sampling as vllm_cpu_sampling
 
     fallback = vllm_cpu_sampling.replaced_fallback
     assert fallback is not None, "vLLM's CPU expand fallback is exact in this vLLM: the plugin is a no-op, drop it"

@@ -29,9 +29,10 @@ from engine_checks import (
 )
 
 from tslightning.models.tiny_model import CORPUS
-from tslightning.rollout import vllm_engine, vllm_host_state
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
-from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+from tslightning.rollout.vllm_engine import engine as vllm_engine
+from tslightning.rollout.vllm_engine import host_state as vllm_host_state
+from tslightning.rollout.vllm_engine.engine import VLLMRolloutEngine
 
 
 def test_vllm_is_installed():

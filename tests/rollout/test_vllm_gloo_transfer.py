@@ -19,8 +19,8 @@ from vllm.distributed.weight_transfer.factory import (  # noqa: E402
     WeightTransferTrainerFactory,
 )
 
-from tslightning.rollout.vllm_gloo_transfer import BACKEND, GlooTrainerInitInfo, checked_pairs  # noqa: E402
-from tslightning.rollout.vllm_server_publication import PublishedWeights, free_port  # noqa: E402
+from tslightning.rollout.vllm_server.gloo_transfer import BACKEND, GlooTrainerInitInfo, checked_pairs  # noqa: E402
+from tslightning.rollout.vllm_server.publication import PublishedWeights, free_port  # noqa: E402
 
 
 class StandInModel(torch.nn.Module):

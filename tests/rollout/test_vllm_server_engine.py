@@ -24,7 +24,7 @@ from engine_checks import (
 
 from tslightning.models.tiny_model import CORPUS, load_tiny_model
 from tslightning.rollout.engine import GenerationRequest, RolloutEngine, RolloutEngineError
-from tslightning.rollout.vllm_server_engine import SessionRouter, VLLMServerEngine
+from tslightning.rollout.vllm_server.engine import SessionRouter, VLLMServerEngine
 
 
 @pytest.fixture(scope="module")

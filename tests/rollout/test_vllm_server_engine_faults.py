@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import tslightning.rollout.vllm_server_engine as server_engine
+import tslightning.rollout.vllm_server.engine as server_engine
 from tslightning.rollout.engine import GenerationRequest, RolloutEngineError
-from tslightning.rollout.vllm_server_engine import ServedVersion, SessionRouter, VLLMServerEngine
+from tslightning.rollout.vllm_server.engine import ServedVersion, SessionRouter, VLLMServerEngine
 
 STATE = {"weight": torch.ones(2)}
 

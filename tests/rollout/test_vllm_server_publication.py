@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 import vllm.distributed.weight_transfer.nccl_engine as nccl_engine  # noqa: E402
 
-from tslightning.rollout.vllm_server_publication import ServerTransport  # noqa: E402
+from tslightning.rollout.vllm_server.publication import ServerTransport  # noqa: E402
 
 
 class StandInServer:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tslightning.rollout.speculative import SpeculativeSettings
-from tslightning.rollout.vllm_server_check import Expected, server_problems, speculative_server_problems
+from tslightning.rollout.vllm_server.check import Expected, server_problems, speculative_server_problems
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))  # the multi-rank tests' replay, shared
@@ -53,6 +53,6 @@ def test_a_speculating_server_passes_the_checks_only_with_the_runs_settings(vllm
 def _probe(model_dir) -> tuple[int, ...]:
     from transformers import AutoTokenizer
 
-    from tslightning.rollout.vllm_server_check import PROBE_TEXT
+    from tslightning.rollout.vllm_server.check import PROBE_TEXT
 
     return tuple(AutoTokenizer.from_pretrained(model_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"])

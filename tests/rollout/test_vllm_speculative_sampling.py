@@ -67,7 +67,7 @@ def samples(note_policy):
     """Every sample the tests compare, ``SAMPLES`` seeds each: with speculation off, then on (two engines, in this
     order: vLLM 0.32 cannot register its CPU kernels in a process where the ngram drafter's numba code is loaded),
     and with the draft positions sampled at temperature 1 whatever the request's."""
-    from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+    from tslightning.rollout.vllm_engine.engine import VLLMRolloutEngine
 
     path, prompt, answer, _ = note_policy
     runs = {"short": (POSITIONS, 1.0), "whole": (len(answer) + 8, 1.0), "cold": (POSITIONS, 0.7)}
@@ -95,7 +95,7 @@ def _wrong_temperature():
     """The rejection sampler's expand (vLLM's registered override) writing 1.0 for every request's temperature."""
     from vllm.v1.sample import rejection_sampler
 
-    from tslightning.rollout.vllm_cpu_sampling import expand_exactly
+    from tslightning.rollout.vllm_engine.cpu_sampling import expand_exactly
 
     def temperature_one(output, values, cumulative, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
         expand_exactly(output, torch.ones_like(values), cumulative, replace_from, replace_to)

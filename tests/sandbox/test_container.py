@@ -19,7 +19,7 @@ import pytest
 
 from tslightning.sandbox import AttemptDirectory, ContainerSandbox, SandboxLimits, SandboxUnavailableError
 from tslightning.sandbox import container as container_module
-from tslightning.tasks.container_image import container_image, context_digest
+from tslightning.tasks.environment.container_image import container_image, context_digest
 from tslightning.tasks.task_attempt import TerminalTaskAttempt, sandbox_factory
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import unmet_needs, validate_task

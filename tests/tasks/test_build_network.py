@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.tasks import image_lite
-from tslightning.tasks.build_network import _parse, allowed_hosts
-from tslightning.tasks.dockerfile import Dockerfile
-from tslightning.tasks.image_lite import ImageBuildError, build_image, builder_problem, image_key
+from tslightning.tasks.environment import image_lite
+from tslightning.tasks.environment.build_network import _parse, allowed_hosts
+from tslightning.tasks.environment.image_lite import ImageBuildError, build_image, builder_problem, image_key
+from tslightning.tasks.harbor.dockerfile import Dockerfile
 
 CACHE = Path(tempfile.gettempdir()) / "tslightning-test-cache"
 DOCKERFILE = "FROM debian:trixie-slim\nCOPY fetch.py /fetch.py\nRUN python3 /fetch.py\n"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.tasks.compose_project import ComposeError, ServiceSpec, read_compose
-from tslightning.tasks.environment_needs import environment_needs
+from tslightning.tasks.harbor.compose_project import ComposeError, ServiceSpec, read_compose
+from tslightning.tasks.harbor.environment_needs import environment_needs
 from tslightning.tasks.terminal_task import TerminalTask
 
 COOKBOOK = Path(__file__).resolve().parents[1] / "fixtures" / "harbor_cookbook"

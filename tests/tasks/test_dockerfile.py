@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tslightning.tasks.dockerfile import Dockerfile, DockerfileError, env_pairs, parse_dockerfile
+from tslightning.tasks.harbor.dockerfile import Dockerfile, DockerfileError, env_pairs, parse_dockerfile
 
 TEXT = """\
 # syntax=docker/dockerfile:1

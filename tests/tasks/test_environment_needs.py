@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tslightning.tasks import validation
-from tslightning.tasks.environment_needs import base_of, environment_needs
-from tslightning.tasks.stand_in_stages import stand_in_package
+from tslightning.tasks.environment.stand_in_stages import stand_in_package
+from tslightning.tasks.harbor.environment_needs import base_of, environment_needs
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask
 from tslightning.tasks.validation import library_dir, unmet_needs
 

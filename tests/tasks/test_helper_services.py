@@ -18,9 +18,9 @@ import pytest
 
 from tslightning import cli
 from tslightning.sandbox.errors import SandboxError
-from tslightning.tasks.helper_services import HELPER_UID
-from tslightning.tasks.image_lite import builder_problem
-from tslightning.tasks.offline_toolchain import fill_wheel_cache, prepare_toolchain, requirements_of
+from tslightning.tasks.environment.helper_services import HELPER_UID
+from tslightning.tasks.environment.image_lite import builder_problem
+from tslightning.tasks.environment.offline_toolchain import fill_wheel_cache, prepare_toolchain, requirements_of
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import validate_task

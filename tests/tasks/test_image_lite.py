@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.tasks.dockerfile import Dockerfile
-from tslightning.tasks.image_lite import ImageBuildError, _host, base_for, build_image, builder_problem, image_key
+from tslightning.tasks.environment.image_lite import (
+    ImageBuildError,
+    _host,
+    base_for,
+    build_image,
+    builder_problem,
+    image_key,
+)
+from tslightning.tasks.harbor.dockerfile import Dockerfile
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import validate_task

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tslightning.tasks.image_lite import ImageBuildError, build_image, builder_problem
-from tslightning.tasks.image_user import carry_ownership, home_of, resolve_user
+from tslightning.tasks.environment.image_lite import ImageBuildError, build_image, builder_problem
+from tslightning.tasks.environment.image_user import carry_ownership, home_of, resolve_user
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import validate_task

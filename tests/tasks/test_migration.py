@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tslightning import cli
-from tslightning.tasks.migration import MigrationError, migrate_tasks
+from tslightning.tasks.harbor.migration import MigrationError, migrate_tasks
 from tslightning.tasks.terminal_task import TerminalTask
 
 TB1 = Path(__file__).resolve().parents[1] / "fixtures" / "terminal_bench_1"

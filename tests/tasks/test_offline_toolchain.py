@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tslightning.sandbox import AttemptDirectory, BubblewrapSandbox, SandboxLimits
-from tslightning.tasks.migration import migrate_tasks
-from tslightning.tasks.offline_toolchain import (
+from tslightning.tasks.environment.offline_toolchain import (
     TOOLCHAIN_BIN,
     attach,
     fetches_toolchain,
@@ -23,6 +22,7 @@ from tslightning.tasks.offline_toolchain import (
     requirements_of,
     toolchain_env,
 )
+from tslightning.tasks.harbor.migration import migrate_tasks
 from tslightning.tasks.terminal_task import TerminalTask
 from tslightning.tasks.validation import unmet_needs, validate_task
 

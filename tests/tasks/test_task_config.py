@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from tslightning.tasks.task_config import Artifact, HealthcheckSettings, read_task_config, resolve_template
+from tslightning.tasks.harbor.task_config import Artifact, HealthcheckSettings, read_task_config, resolve_template
 
 TB21_TASK_TOML = """
 schema_version = "1.1"

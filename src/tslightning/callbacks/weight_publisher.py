@@ -1,9 +1,12 @@
 """Publication of θ_{k+1} to every rollout replica after update k, acknowledged before batch k+1 starts (Eq. 3).
 
 One small versioned operation: ``engine.publish(weights, k + 1)`` (which returns only once every replica acknowledged
-and cleared its policy-dependent caches), check the receipt's version, record the time. ``weights`` is a stream
+and cleared its policy-dependent caches), check the receipt's version, record the time. For an engine that accepts
+a stream (``accepts_weight_stream``, as tslightning's engines do) ``weights`` is one
 (:mod:`tslightning.callbacks.published_weights`): one full tensor at a time, cast to the engine's serving dtype, each
-pass ordered after the optimizer step's kernels — the learner never stages a full copy of the model.
+pass ordered after the optimizer step's kernels — the learner never stages a full copy of the model. Any other
+engine gets a plain state dict of those full tensors (one pass), so an engine written as
+``publish(state_dict, version)`` that calls ``model.load_state_dict(state_dict)`` works unchanged.
 
 Learner ranks sharing rollout servers (an engine whose ``shared_servers`` is true, e.g. ``vllm_server`` on several
 ranks) publish once per server: global rank 0 streams the weights to every server while the others join each
@@ -187,7 +190,8 @@ class WeightPublisher(UpdateCallback):
             raise RolloutEngineError(f"{int(failed)} learner rank(s) failed to publish θ_{version}")
 
     def _publish(self, weights: WeightStream, version: int) -> PublishReceipt:
-        return _checked(_wait_for(lambda: self.engine.publish(weights, version), self.timeout_s, version), version)
+        receipt = _wait_for(lambda: hand_over_weights(self.engine, weights, version), self.timeout_s, version)
+        return _checked(receipt, version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"published_version": self.published_version, "publications": self.publications}
@@ -220,7 +224,7 @@ def publish_to_shared_servers(
     error: Exception | None = None
     if rank == 0:
         try:
-            _checked(_wait_for(lambda: engine.publish(weights, version), timeout_s, version), version)
+            _checked(_wait_for(lambda: hand_over_weights(engine, weights, version), timeout_s, version), version)
             outcome = engine.served()
         except Exception as exc:
             outcome, error = f"{type(exc).__name__}: {exc}", exc
@@ -254,6 +258,15 @@ def publication_weights(
         return WeightStream.of(adapter_state_dict(policy))
     ready = step_completion(_device_of(policy))  # recorded now, right after the step was queued
     return PublishedWeights(policy, placement, getattr(engine, "serving_dtype", None), ready, leads)
+
+
+def hand_over_weights(engine: Any, weights: Mapping[str, torch.Tensor] | WeightStream, version: int) -> PublishReceipt:
+    """``engine.publish`` with what it takes: the stream itself where it accepts one (``accepts_weight_stream``, as
+    tslightning's engines do), else a plain state dict of the full tensors, gathered in one pass (an engine written
+    against ``publish(state_dict, version)`` may ``load_state_dict`` it)."""
+    if isinstance(weights, WeightStream) and not getattr(engine, "accepts_weight_stream", False):
+        weights = dict(iter(weights))
+    return engine.publish(weights, version)
 
 
 def _device_of(policy: torch.nn.Module) -> torch.device:

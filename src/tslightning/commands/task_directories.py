@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from tslightning.sandbox import Backend, SandboxUnavailableError
-from tslightning.tasks.migration import MigrationError, migrate_tasks
-from tslightning.tasks.offline_toolchain import fill_wheel_cache, prepare_toolchain, requirements_of
+from tslightning.tasks.environment.offline_toolchain import fill_wheel_cache, prepare_toolchain, requirements_of
+from tslightning.tasks.harbor.migration import MigrationError, migrate_tasks
 from tslightning.tasks.rewards import RewardScheme
 from tslightning.tasks.terminal_task import find_task_dirs
 from tslightning.tasks.validation import format_table, library_dir, sandbox_factory, validate_tasks

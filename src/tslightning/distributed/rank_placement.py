@@ -11,6 +11,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+LEARNER_RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+"""A learner rank's torch.distributed variables. Processes a rank starts that are not ranks (a vLLM engine process,
+a harness) start without them: a vLLM process starts its own one-rank group, a harness that uses torch stays out of
+the learners' process group."""
+
 
 @dataclass(frozen=True)
 class RankPlacement:

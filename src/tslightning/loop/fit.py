@@ -75,7 +75,7 @@ from tslightning.measure.device_clock import synchronized_clock
 from tslightning.measure.memory_plan import plan_report
 from tslightning.measure.timeline import plot_timeline
 from tslightning.rollout.engine import RolloutEngine
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.harness.settings import HarnessSettings
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 from tslightning.loop.settings import RolloutSettings
 from tslightning.loop.startup import agent_limits
-from tslightning.rollout.gateway import HarnessAgent, HarnessProgram, OpenAIGateway
+from tslightning.rollout.gateway import OpenAIGateway
 from tslightning.rollout.gateway.conversation import ChatTokens
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
-from tslightning.rollout.gateway.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
+from tslightning.rollout.harness import HarnessAgent, HarnessProgram
+from tslightning.rollout.harness.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
+from tslightning.rollout.harness.settings import HarnessSettings
 
 
 def warm_start_format(harness: HarnessSettings):
@@ -28,7 +29,7 @@ def start_harness(
     """This rank's gateway in front of ``engine`` (started, on ``harness.host``, at a port the OS picks unless
     ``harness.port`` is given) and the agent that runs ``harness``'s program once per attempt against it. A rewritten
     history is cut into segments, each scored under its own context, unless ``harness.allow_segments`` is false
-    (:mod:`tslightning.rollout.gateway.harness_trajectory`)."""
+    (:mod:`tslightning.rollout.gateway.trajectory`)."""
     gateway = OpenAIGateway(
         engine,
         tokenizer,

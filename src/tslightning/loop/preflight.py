@@ -34,9 +34,9 @@ from tslightning.loop.settings import (
 from tslightning.loop.task_selection import select_tasks
 from tslightning.loop.warm_start import WarmStartSettings
 from tslightning.rollout.core_placement import check_cores
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
-from tslightning.rollout.gateway.mini_swe_agent import mini_swe_agent_config
-from tslightning.rollout.vllm_server_check import reachability_problems, speculative_server_problems, url_problems
+from tslightning.rollout.harness.mini_swe_agent import mini_swe_agent_config
+from tslightning.rollout.harness.settings import HarnessSettings
+from tslightning.rollout.vllm_server.check import reachability_problems, speculative_server_problems, url_problems
 
 TRAINER_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
 """Lightning's Trainer callbacks: they read Trainer state (``trainer.state``, ``lightning_module``, ``global_step``,

@@ -14,7 +14,7 @@ from tslightning.callbacks import GPUClockCheckpoint
 from tslightning.callbacks.checkpoint_layout import REPLICATED, layout_mismatch, missing_parts
 from tslightning.callbacks.checkpoint_state import META_FILE, STATE_FILE, CheckpointError, restore_checkpoint
 from tslightning.callbacks.gpu_clock_checkpoint import checkpointed_callbacks
-from tslightning.callbacks.weight_publisher import publication_weights, publish_to_shared_servers
+from tslightning.callbacks.weight_publisher import hand_over_weights, publication_weights, publish_to_shared_servers
 from tslightning.distributed.learner_strategy import LearnerSettings
 from tslightning.distributed.parameter_placement import placement_of
 from tslightning.loop.settings import CheckpointSettings, InvalidSettingsError
@@ -126,6 +126,6 @@ def resume_from(path: str, fabric, module, optimizer, engine) -> int:
         if shared:
             publish_to_shared_servers(engine, weights, point.policy_version, fabric.global_rank)
         elif fabric.global_rank == 0 or fabric.world_size > 1:  # several ranks: each has its own engine
-            engine.publish(weights, point.policy_version)
+            hand_over_weights(engine, weights, point.policy_version)
     fabric.barrier()
     return point.next_update

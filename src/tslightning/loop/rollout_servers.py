@@ -32,7 +32,7 @@ def _share_servers(rollout: RolloutSettings, policy_dir: Path, dtype: str, conte
     Raises:
         ValueError: rank 0's own error there; on the other ranks, one naming rank 0's failure.
     """
-    from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+    from tslightning.rollout.vllm_server.engine import VLLMServerEngine
 
     rank, engine, error = dist.get_rank(), None, None
     if rank == 0:
@@ -70,13 +70,13 @@ def _start_engine(
     rollout: RolloutSettings, policy_dir: Path, dtype: str, context: int, adapter=None, sharing: str = "none"
 ):
     """The ``vllm_server`` engine on ``rollout.server_urls``, or on replicas the Ray launcher starts first (with
-    LoRA at runtime when ``adapter``, a LoRA run's :class:`~tslightning.rollout.vllm_server_adapter.AdapterSpec`);
+    LoRA at runtime when ``adapter``, a LoRA run's :class:`~tslightning.rollout.vllm_server.lora_adapter.AdapterSpec`);
     ``sharing``: the engine's (``publisher`` on global rank 0 of several)."""
-    from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+    from tslightning.rollout.vllm_server.engine import VLLMServerEngine
 
     replicas = None
     if rollout.launcher == "ray":
-        from tslightning.rollout.replica_launcher import RayReplicas
+        from tslightning.rollout.vllm_server.ray_launcher import RayReplicas
 
         replicas = RayReplicas(
             rollout.ray,
@@ -124,7 +124,7 @@ def adapter_spec(lora, rollout: RolloutSettings, policy_dir: Path):
     """Where and how a LoRA run's adapters are published to vLLM servers (``None``: not a LoRA run)."""
     if lora is None:
         return None
-    from tslightning.rollout.vllm_server_adapter import AdapterSpec
+    from tslightning.rollout.vllm_server.lora_adapter import AdapterSpec
 
     directory = Path(rollout.server_adapter_dir) if rollout.server_adapter_dir else policy_dir.parent / "adapters"
     return AdapterSpec(lora.r, lora.alpha, tuple(lora.target_modules), directory.resolve(), str(policy_dir))

@@ -14,9 +14,9 @@ from tslightning.distributed.rank_placement import share_problems
 from tslightning.learner.precision import Precision
 from tslightning.learner.settings import OptimizerSettings
 from tslightning.models.tiny_model import TinyModelConfig
-from tslightning.rollout.replica_launcher import RaySettings
 from tslightning.rollout.speculative import SpeculativeSettings
-from tslightning.rollout.vllm_server_check import url_problems
+from tslightning.rollout.vllm_server.check import url_problems
+from tslightning.rollout.vllm_server.ray_launcher import RaySettings
 from tslightning.tasks.simulated_tool import SimulatedToolSettings
 
 

@@ -153,7 +153,7 @@ def start_engine(
         return _start_vllm(rollout, policy_dir, dtype, cpus, placement, world_size, max_model_len)
     if rollout.engine == "vllm_server":
         return start_vllm_server(rollout, policy_dir, dtype, max_model_len or 4096, lora)
-    from tslightning.rollout.hf_engine import HFRolloutEngine
+    from tslightning.rollout.hf.engine import HFRolloutEngine
 
     return HFRolloutEngine(
         policy_dir,
@@ -166,7 +166,7 @@ def start_engine(
 
 
 def _start_vllm(rollout, policy_dir: Path, dtype: str, cpus, placement: RankPlacement, world_size: int, context):
-    from tslightning.rollout.vllm_engine import VLLMRolloutEngine
+    from tslightning.rollout.vllm_engine.engine import VLLMRolloutEngine
 
     settings = rollout.vllm
     gpus = placement.share(settings.gpus)
@@ -217,7 +217,7 @@ def start_teacher(
     rank's share of ``model.teacher_cpus``. With ``rollout.teacher_url`` the teacher is that vLLM server
     (:class:`~tslightning.rollout.teacher_server.TeacherServer`), checked against the student's tokenizer in
     ``out/policy-0``; with ``rollout.ray.teacher`` it is that checkpoint served by a vLLM server fit launches on Ray
-    (:func:`~tslightning.rollout.replica_launcher.launch_teacher`). The in-process teacher sits on the learner's
+    (:func:`~tslightning.rollout.vllm_server.ray_launcher.launch_teacher`). The in-process teacher sits on the learner's
     device in the serving dtype; its head holds at most ``chunk_tokens`` rows of logits at a time."""
     if rollout.teacher_url is not None:
         return _teacher_server(rollout, out / "policy-0", rollout.teacher_url)
@@ -245,7 +245,7 @@ def start_teacher(
 def _teacher_server(rollout: RolloutSettings, policy_dir: Path, url: str, launcher=None) -> TeacherServer:
     from transformers import AutoConfig, AutoTokenizer
 
-    from tslightning.rollout.vllm_server_check import PROBE_TEXT
+    from tslightning.rollout.vllm_server.check import PROBE_TEXT
 
     probe = AutoTokenizer.from_pretrained(policy_dir)(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     config = AutoConfig.from_pretrained(policy_dir)
@@ -260,7 +260,7 @@ def _launched_teacher(rollout: RolloutSettings, teacher_dir: Path, policy_dir: P
     scoring request generates, checked like a ``teacher_url`` server; stopped if that check fails."""
     from transformers import AutoConfig
 
-    from tslightning.rollout.replica_launcher import launch_teacher
+    from tslightning.rollout.vllm_server.ray_launcher import launch_teacher
 
     context = agent_limits(rollout, AutoConfig.from_pretrained(policy_dir)).max_context_tokens + 1
     holds = getattr(AutoConfig.from_pretrained(teacher_dir), "max_position_embeddings", None) or context

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tslightning.loop.settings import RolloutSettings, settings_error
-from tslightning.tasks.helper_services import helper_images
-from tslightning.tasks.image_lite import ImageBuildError, build_image
+from tslightning.tasks.environment.helper_services import helper_images
+from tslightning.tasks.environment.image_lite import ImageBuildError, build_image
 from tslightning.tasks.simulated_tool import simulated_tasks
 from tslightning.tasks.split import split_of
 from tslightning.tasks.terminal_task import TaskFormatError, TerminalTask, find_task_dirs

@@ -5,7 +5,7 @@ rewards would all be zero. The quickstart therefore first fits the policy to a f
 reference solution written as agent turns — with cross-entropy on the action tokens only. Transcripts are
 serialized by :class:`~tslightning.rollout.agent_loop.AgentLoop`'s own prompt and observation format, so the
 warm-started policy sees at RL time exactly the token layout it was fitted on. A harness trained through the
-gateway brings its own layout instead (e.g. :class:`~tslightning.rollout.gateway.mini_swe_agent.MiniSweAgentFormat`).
+gateway brings its own layout instead (e.g. :class:`~tslightning.rollout.harness.mini_swe_agent.MiniSweAgentFormat`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -140,6 +141,22 @@ def weight_stream(weights: Mapping[str, torch.Tensor] | WeightStream) -> WeightS
     return weights if isinstance(weights, WeightStream) else WeightStream.of(weights)
 
 
+def checkpoint_weights(directory: Path) -> WeightStream:
+    """The weights of a ``save_pretrained`` checkpoint's ``*.safetensors`` files (θ_0 as the engines publish it).
+
+    Raises:
+        ValueError: If ``directory`` holds no ``*.safetensors`` weights.
+    """
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(path))
+    if not state:
+        raise ValueError(f"{directory} holds no *.safetensors weights to publish as θ_0")
+    return WeightStream.of(state)
+
+
 class RolloutEngineError(RuntimeError):
     """The engine can no longer serve: a replica died, failed to start, or did not acknowledge a publication.
 
@@ -172,7 +189,12 @@ def validate_request(request: GenerationRequest, vocab_size: int | None = None) 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the agent loop and the learner need from a rollout engine."""
+    """What the agent loop and the learner need from a rollout engine.
+
+    ``publish`` receives a state dict (name → full tensor), unless the engine sets ``accepts_weight_stream = True``:
+    it then receives a :class:`WeightStream` (one tensor at a time, no staged copy of the model), as tslightning's
+    engines do.
+    """
 
     @property
     def policy_version(self) -> int:
@@ -199,6 +221,9 @@ class QueuedEngine:
     Subclasses set ``_policy_version``, ``_failure`` (``None`` while healthy) and ``_closed`` in ``__init__`` and
     implement ``_submit`` (validate and queue a list of requests, one future each) and ``close``.
     """
+
+    accepts_weight_stream = True
+    """``publish`` takes a :class:`WeightStream` (the publisher then never stages a copy of the model)."""
 
     _policy_version: int
     _failure: str | None

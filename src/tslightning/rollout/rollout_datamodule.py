@@ -50,7 +50,7 @@ AttemptFactory = Callable[[RolloutTask], AbstractContextManager[TaskAttempt]]
 
 class Agent(Protocol):
     """What acts in an attempt: :class:`~tslightning.rollout.agent_loop.AgentLoop`, or a harness through the gateway
-    (:class:`~tslightning.rollout.gateway.harness_agent.HarnessAgent`)."""
+    (:class:`~tslightning.rollout.harness.agent.HarnessAgent`)."""
 
     limits: AgentLimits
 

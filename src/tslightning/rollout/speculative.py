@@ -12,7 +12,7 @@ that many sequences (vLLM's dynamic speculative decoding), i.e. in the tail, whe
 Two things are never trusted with speculation on: the log-probs an engine reports for drafted tokens (vLLM 0.32 on
 CPU reports 0.0 for them), so generations carry none and nothing downstream reads them (the learner scores the
 sampled ids itself); and a server whose drafter settings differ from the run's (:func:`speculative_problems`). The
-CPU platform's sampler needs :mod:`~tslightning.rollout.vllm_cpu_sampling` to be exact at all.
+CPU platform's sampler needs :mod:`~tslightning.rollout.vllm_engine.cpu_sampling` to be exact at all.
 
 This module imports no vLLM: the settings parse and validate in any install.
 """

@@ -7,9 +7,9 @@ exact token ids (token-in: never re-tokenized) asking for ``prompt_logprobs``: t
 prompt token under its causal prefix, read at the scored positions. The server's continuous batching batches turns;
 answers come back one by one.
 
-A launched teacher (``rollout.ray.teacher``, :func:`~tslightning.rollout.replica_launcher.launch_teacher`) comes with
-its launcher: a turn whose request fails to connect (or times out) reports the server lost, waits for the launcher's
-restart and is resent to the restarted server — the teacher is frozen, so its scores do not change — at most
+A launched teacher (``rollout.ray.teacher``, :func:`~tslightning.rollout.vllm_server.ray_launcher.launch_teacher`) comes
+with its launcher: a turn whose request fails to connect (or times out) reports the server lost, waits for the
+launcher's restart and is resent to the restarted server — the teacher is frozen, so its scores do not change — at most
 :data:`RESENDS` times; a teacher that does not come back fails the turn in one line naming the setting.
 
 A teacher must share the student's tokenizer (token-level correspondence); it may have a larger (padded) vocabulary,
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from tslightning.rollout.vllm_server_check import PROBE_TEXT
+from tslightning.rollout.vllm_server.check import PROBE_TEXT
+from tslightning.rollout.vllm_server.client import ServerClient, ServerError
 
 __all__ = ["TeacherServer", "teacher_problems"]
 
@@ -40,12 +41,12 @@ class TeacherServer:
 
     Args:
         url: The server's base URL (``rollout.teacher_url``).
-        probe_ids: The student tokenizer's ids for :data:`~tslightning.rollout.vllm_server_check.PROBE_TEXT`.
+        probe_ids: The student tokenizer's ids for :data:`~tslightning.rollout.vllm_server.check.PROBE_TEXT`.
         vocab_size: The student's vocabulary size (its ``config.vocab_size``).
         context_tokens: Longest turn (history and action) the teacher must score; ``None``: not checked.
         timeout_s: Seconds one check or one scoring request may take.
         max_connections: Turns scored at once (requests in flight).
-        launcher: The launched teacher's :class:`~tslightning.rollout.replica_launcher.RayReplicas` (one server,
+        launcher: The launched teacher's :class:`~tslightning.rollout.vllm_server.ray_launcher.RayReplicas` (one server,
             ``url`` its URL): failed requests wait for its restart and are resent; :meth:`close` stops it.
 
     Raises:
@@ -110,25 +111,22 @@ class TeacherServer:
     def _score(self, ids: list[int], positions: list[int], request_id: str) -> torch.Tensor:
         import requests
 
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = requests.Session()
+        clients = self._local.__dict__.setdefault("clients", {})  # one session per thread and server
         for resend in itertools.count():
             generation, url = self._server()
+            server = clients.get(url) or clients.setdefault(url, ServerClient(url, self._timeout_s))
             try:
-                response = session.post(
-                    f"{url}/inference/v1/generate", json=_score_body(ids, request_id), timeout=self._timeout_s
-                )
+                answer = server.generate(_score_body(ids, request_id))
+            except ServerError as error:
+                refusal = f"({error.status}): {error.text[:300]}"
+                raise RuntimeError(f"{self._key} {url} refused to score a turn {refusal}") from None
             except requests.RequestException as error:
                 if self._launcher is None or resend >= RESENDS:
                     failure = f"{type(error).__name__}: {error}"
                     raise RuntimeError(f"{self._key} {url} stopped answering ({failure})") from None
                 self._launcher.lost(0, generation)  # a restart since this request was sent is not repeated
                 continue
-            if response.status_code != 200:
-                refusal = f"({response.status_code}): {response.text[:300]}"
-                raise RuntimeError(f"{self._key} {url} refused to score a turn {refusal}")
-            return scored_prompt_logprobs(response.json()["prompt_logprobs"], ids, positions)
+            return scored_prompt_logprobs(answer["prompt_logprobs"], ids, positions)
         raise AssertionError("unreachable")
 
     def _server(self) -> tuple[int, str]:
@@ -175,14 +173,15 @@ def teacher_problems(
     token-in route, and it serves ``context_tokens`` (plus the one token each scoring request generates)."""
     import requests
 
+    server = ServerClient(url, timeout_s)
     try:
-        served = requests.get(f"{url}/v1/models", timeout=timeout_s).json()["data"][0]
-        tokens = requests.post(
-            f"{url}/tokenize", json={"prompt": PROBE_TEXT, "add_special_tokens": False}, timeout=timeout_s
-        ).json()["tokens"]
-        probe = _score_body([0, vocab_size - 1], "teacher-probe")
-        generate = requests.post(f"{url}/inference/v1/generate", json=probe, timeout=timeout_s)
-    except (requests.RequestException, ValueError, KeyError, IndexError) as error:
+        served, tokens = server.models()[0], server.tokenize(PROBE_TEXT)
+        refused = None
+        try:
+            server.generate(_score_body([0, vocab_size - 1], "teacher-probe"))
+        except ServerError as error:
+            refused = error
+    except (requests.RequestException, ServerError, ValueError, KeyError, IndexError) as error:
         return [
             f"{KEY}: {url} is unreachable or not a vLLM server ({type(error).__name__}); start the teacher's vLLM "
             "server there (README: Rollout servers) or fix the URL"
@@ -192,12 +191,12 @@ def teacher_problems(
             f"{KEY}: {url} serves a teacher with another tokenizer: it encodes a probe as {list(tokens)[:8]}..., the "
             f"student as {list(probe_ids)[:8]}...; OPD needs the student's tokenizer (token-level correspondence)"
         ]
-    if generate.status_code == 404:
+    if refused is not None and refused.status == 404:
         return [f"{KEY}: {url} has no token-in route /inference/v1/generate: start it with --enable-scale-out"]
-    if generate.status_code != 200:
+    if refused is not None:
         return [
             f"{KEY}: {url} cannot score the student's token id {vocab_size - 1} (its vocabulary is smaller than the "
-            f"student's {vocab_size}): {generate.text[:200]}"
+            f"student's {vocab_size}): {refused.text[:200]}"
         ]
     if context_tokens is not None and int(served.get("max_model_len") or 0) < context_tokens + 1:
         return [

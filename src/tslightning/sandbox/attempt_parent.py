@@ -108,7 +108,7 @@ def _spread_children(descriptor: int) -> None:
     minute (up to six while its inode table is dirty), one buffer-cache lookup each. Attempts that copy thousands of
     files and remove them at close, all in the parent's group, leave it full of such inodes, and every file the next
     attempts create scans past them: set-up then slows down update after update, and in the next run too (measured:
-    ``scripts/measure_environment_setup.py``). Elsewhere (tmpfs, xfs, btrfs) the flag does not exist: nothing to do.
+    ``benchmarks/measure_environment_setup.py``). Elsewhere (tmpfs, xfs, btrfs) the flag does not exist: nothing to do.
     """
     flags = array.array("i", [0])
     try:

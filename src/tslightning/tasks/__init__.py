@@ -7,7 +7,9 @@
 - :mod:`~tslightning.tasks.split`: the SHA-256 train / dev split by group (App. C.2).
 - :mod:`~tslightning.tasks.swe_smith`: SWE-smith JSONL records.
 
-``library/`` ships small terminal tasks in the Harbor layout (see :func:`library_dir`).
+``harbor/`` reads the Harbor format (``task.toml``, Dockerfiles, compose projects, what an environment needs);
+``environment/`` builds and starts environments without a container engine. ``library/`` ships small terminal
+tasks in the Harbor layout (see :func:`library_dir`).
 
 Layer: above ``sandbox`` (where attempts and verifiers run), which is all it imports.
 """

@@ -26,13 +26,13 @@ from tslightning.sandbox import (
 )
 from tslightning.sandbox.errors import SandboxUnavailableError
 from tslightning.sandbox.file_tree import place_tree
-from tslightning.tasks.container_image import prepare_container
-from tslightning.tasks.helper_services import HelperServices
-from tslightning.tasks.image_attempt import enter_image, image_for
-from tslightning.tasks.image_lite import ImageLite
-from tslightning.tasks.offline_toolchain import Toolchain, attach, find_toolchain
+from tslightning.tasks.environment.container_image import prepare_container
+from tslightning.tasks.environment.helper_services import HelperServices
+from tslightning.tasks.environment.image_attempt import enter_image, image_for
+from tslightning.tasks.environment.image_lite import ImageLite
+from tslightning.tasks.environment.offline_toolchain import Toolchain, attach, find_toolchain
+from tslightning.tasks.harbor.task_config import VerifierSettings
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardScheme
-from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import AGENT_COMMAND_TIMEOUT_S, TerminalTask
 from tslightning.tasks.verifier import REFERENCE_TIMEOUT_S, VerifierResult, run_reference_solution, run_verifier
 
@@ -64,14 +64,15 @@ class TerminalTaskAttempt:
         command_timeout_s: Wall-clock limit of one agent command (Table 6: 120 s).
         reward_key: The named reward of ``reward.json`` read as the pass fraction (default ``reward``).
         toolchain: The offline verifier toolchain shown to the attempt's commands (``"auto"``: the prepared one in
-            the cache directory, if any; :mod:`~tslightning.tasks.offline_toolchain`); not shown by backends that
-            cannot share a directory.
+            the cache directory, if any; :mod:`~tslightning.tasks.environment.offline_toolchain`); not shown by backends
+            that cannot share a directory.
         image: The task's image-lite environment (``"auto"``: built, or found in the cache, when the task's
-            environment needs a build; :mod:`~tslightning.tasks.image_attempt`), or ``None`` for the host's system.
+            environment needs a build; :mod:`~tslightning.tasks.environment.image_attempt`), or ``None`` for the host's
+            system.
         allow_internet: The trainer lets tasks reach the internet: a task whose ``[environment]`` allows it
             (``allow_internet``, ``network_mode = "public"``) gets the host's network for its agent's commands and
             its verifier (bubblewrap). Default: every command offline, whatever the task says. A task with helper
-            services stays in its own network, offline (:mod:`~tslightning.tasks.helper_services`).
+            services stays in its own network, offline (:mod:`~tslightning.tasks.environment.helper_services`).
         service_images: Each helper service's image by name (default: built, or found in the cache, now).
 
     Raises:

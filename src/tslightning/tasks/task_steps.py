@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tslightning.tasks.harbor.task_config import StepSettings
 from tslightning.tasks.rewards import reward_for
 from tslightning.tasks.task_attempt import TerminalTaskAttempt
-from tslightning.tasks.task_config import StepSettings
 from tslightning.tasks.terminal_task import TESTS_DIR, TerminalTask
 from tslightning.tasks.verifier import VerifierResult
 

@@ -4,7 +4,7 @@ A task directory::
 
     task-name/
     ├── instruction.md        the prompt the agent sees
-    ├── task.toml             limits and metadata (Harbor's schema: :mod:`~tslightning.tasks.task_config`)
+    ├── task.toml             limits and metadata (Harbor's schema: :mod:`~tslightning.tasks.harbor.task_config`)
     ├── environment/          the Dockerfile (or ``docker_image``) and the files it copies
     ├── tests/test.sh         the verifier; writes /logs/verifier/reward.txt or reward.json
     └── solution/solve.sh     the reference solution (required by validation, optional to load)
@@ -14,8 +14,8 @@ instruction, and optionally ``steps/<name>/tests/`` (layered over ``tests/``), `
 ``steps/<name>/workdir/`` (copied into the working directory before the step; its ``setup.sh`` runs first).
 
 **Seeding /app.** Where a task runs on the host's system (its Dockerfile only copies files into ``/app`` from a
-base the host stands in for: :attr:`TerminalTask.needs` is ``host``, see :mod:`~tslightning.tasks.environment_needs`),
-every file under ``environment/`` except the
+base the host stands in for: :attr:`TerminalTask.needs` is ``host``, see
+:mod:`~tslightning.tasks.harbor.environment_needs`), every file under ``environment/`` except the
 container build files (:data:`CONTAINER_BUILD_FILES`) is copied into ``/app``, keeping its relative path. The shipped
 tasks' Dockerfiles ``COPY`` exactly those files to ``/app``, so the same directory also runs unchanged under Harbor.
 """
@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tslightning.sandbox import AttemptDirectory, SandboxLimits
-from tslightning.tasks.dockerfile import DockerfileError
-from tslightning.tasks.environment_needs import COMPOSE_FILES, ComposeError, EnvironmentNeeds, environment_needs
-from tslightning.tasks.task_config import (
+from tslightning.tasks.harbor.dockerfile import DockerfileError
+from tslightning.tasks.harbor.environment_needs import COMPOSE_FILES, ComposeError, EnvironmentNeeds, environment_needs
+from tslightning.tasks.harbor.field_reader import HarborFormatError
+from tslightning.tasks.harbor.task_config import (
     TASK_TOML,
     AgentSettings,
     Artifact,
@@ -72,7 +73,7 @@ AGENT_COMMAND_TIMEOUT_S = 120.0
 _SETA_EVOLUTION_SUFFIX = re.compile(r"__[bd]\d+$")
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(HarborFormatError):
     """A task directory does not follow the Harbor layout; ``problems`` lists every problem found."""
 
     def __init__(self, task_dir: Path, problems: list[str]) -> None:
@@ -332,8 +333,8 @@ def _check_steps(root: Path, steps: tuple[StepSettings, ...], problems: list[str
 
 
 def _read_needs(root: Path, config, problems: list[str]) -> EnvironmentNeeds | None:
-    """The environment's needs (:mod:`~tslightning.tasks.environment_needs`); a Dockerfile that cannot be read is a
-    problem naming its line."""
+    """The environment's needs (:mod:`~tslightning.tasks.harbor.environment_needs`); a Dockerfile that cannot be
+    read is a problem naming its line."""
     if not (root / ENVIRONMENT_DIR).is_dir():
         return None
     try:

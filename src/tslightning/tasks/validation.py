@@ -7,7 +7,8 @@ from every schedule's cohort (App. C.2); :func:`validate_tasks` reports them wit
 
 Each task gets one status: ``valid``; ``invalid`` (a file or key is wrong, or the reference / no-op verdicts are);
 or, when its environment cannot be provided here, what it needs (``needs image``, ``needs network at build``,
-``needs helper container``, ``needs model API``; see :mod:`~tslightning.tasks.environment_needs`), with the reason,
+``needs helper container``, ``needs model API``; see :mod:`~tslightning.tasks.harbor.environment_needs`), with the
+reason,
 and no attempt is run:
 a reference solution is never reported as failing when the environment is the cause. A reference that fails after a
 write the read-only root refused (``mkdir /data``: a container's root is writable throughout) is ``needs image``.
@@ -30,9 +31,9 @@ from pathlib import Path
 from tslightning.sandbox import CommandResult
 from tslightning.sandbox.compose import compose_available
 from tslightning.sandbox.errors import SandboxError
-from tslightning.tasks.helper_services import helper_images
-from tslightning.tasks.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
-from tslightning.tasks.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
+from tslightning.tasks.environment.helper_services import helper_images
+from tslightning.tasks.environment.image_lite import ImageBuildError, ImageLite, build_image, builder_problem
+from tslightning.tasks.environment.offline_toolchain import default_cache_dir, fetches_toolchain, find_toolchain
 from tslightning.tasks.rewards import (
     DEFAULT_REWARD_KEY,
     EVERY_NAMED_REWARD,

@@ -6,9 +6,9 @@ agent never sees it), ``bash /tests/test.sh`` runs in the task's working directo
 ``/logs/verifier`` are read (:mod:`tslightning.tasks.rewards`). A verifier that times out, or leaves no usable
 reward file, scores 0 with a reason. In a live environment the verifier runs as in Harbor, while the agent's
 processes are still alive (a service it started answers on loopback; a compose task's helper services answer by
-name, :mod:`~tslightning.tasks.helper_services`), but beside them, not among them: its own PID and mount namespaces
-and host uid (:mod:`~tslightning.sandbox.live_verification`); the environment ends when the verifier returns, before
-the reward files are read.
+name, :mod:`~tslightning.tasks.environment.helper_services`), but beside them, not among them: its own PID and mount
+namespaces and host uid (:mod:`~tslightning.sandbox.live_verification`); the environment ends when the verifier returns,
+before the reward files are read.
 
 **Reward integrity.** A verifier may execute files the agent wrote (``python3 /app/stats.py``), as the same user, so
 code the agent wrote runs beside the verifier. Layer by layer, what keeps it from changing the reported reward:
@@ -44,9 +44,9 @@ from pathlib import Path
 
 from tslightning.sandbox import CommandResult, Sandbox
 from tslightning.sandbox.file_tree import remove_tree
-from tslightning.tasks.offline_toolchain import toolchain_env
+from tslightning.tasks.environment.offline_toolchain import toolchain_env
+from tslightning.tasks.harbor.task_config import VerifierSettings
 from tslightning.tasks.rewards import DEFAULT_REWARD_KEY, RewardReading, RewardScheme, read_reward_files
-from tslightning.tasks.task_config import VerifierSettings
 from tslightning.tasks.terminal_task import TerminalTask
 
 VERIFIER_COMMAND = "bash /tests/test.sh"

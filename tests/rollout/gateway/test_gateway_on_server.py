@@ -15,7 +15,7 @@ import torch
 from tslightning.models.tiny_model import load_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits
 from tslightning.rollout.gateway import OpenAIGateway
-from tslightning.rollout.vllm_server_engine import VLLMServerEngine
+from tslightning.rollout.vllm_server.engine import VLLMServerEngine
 
 MODEL = "tslightning-policy"
 MESSAGES = [{"role": "system", "content": "Reply with one command."}, {"role": "user", "content": "List /app."}]

@@ -19,7 +19,8 @@ from gateway_fakes import CharacterEngine, RecordingAttempt, character_ids
 
 from tslightning.core.sources import TrajectoryClosed, TurnSource
 from tslightning.rollout.agent_loop import AgentLimits
-from tslightning.rollout.gateway import HarnessAgent, HarnessError, HarnessProgram, OpenAIGateway
+from tslightning.rollout.gateway import OpenAIGateway
+from tslightning.rollout.harness import HarnessAgent, HarnessError, HarnessProgram
 from tslightning.rollout.rollout_datamodule import RolloutDataModule
 
 SCRIPTED = [sys.executable, str(Path(__file__).with_name("scripted_harness.py"))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tslightning.rollout.gateway.harness_settings import HarnessSettings
+from tslightning.rollout.harness.settings import HarnessSettings
 
 RUN = ("grpo", "thundersync", "recompute", "terminal", 0)
 

@@ -19,10 +19,11 @@ from tslightning.core.sources import TrajectorySource
 from tslightning.loop.batch_recording import load_batches
 from tslightning.models.tiny_model import load_tiny_model
 from tslightning.rollout.agent_loop import AgentLimits
-from tslightning.rollout.gateway import HarnessAgent, OpenAIGateway
+from tslightning.rollout.gateway import OpenAIGateway
 from tslightning.rollout.gateway.attempt_log import attempt_log_dir
 from tslightning.rollout.gateway.conversation import ChatTokens
-from tslightning.rollout.gateway.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
+from tslightning.rollout.harness import HarnessAgent
+from tslightning.rollout.harness.mini_swe_agent import MiniSweAgentFormat, mini_swe_agent_config, mini_swe_agent_program
 from tslightning.tasks.demonstrations import Demonstration
 
 ROOT = Path(__file__).parents[3]

@@ -1,14 +1,14 @@
-"""Train any agent harness: an OpenAI-compatible gateway in front of the rollout engine, at zero staleness.
+"""The OpenAI-compatible gateway in front of the rollout engine, at zero staleness.
 
-A harness (mini-swe-agent, a user's own) talks to :class:`OpenAIGateway` as to any OpenAI-compatible server; every
-call is one turn of its attempt, sampled token-in/token-out at the update's policy version, recorded with the exact
-sampled ids and log-probs; its commands run in the attempt's sandbox. :class:`HarnessAgent` runs one harness process
-per attempt in place of the built-in agent loop (``fit --harness.name ...``).
+A harness (mini-swe-agent, a user's own; :mod:`tslightning.rollout.harness`) talks to :class:`OpenAIGateway` as to
+any OpenAI-compatible server; every call is one turn of its attempt, sampled token-in/token-out at the update's policy
+version, recorded with the exact sampled ids and log-probs (its schema, errors, conversation, attempt sessions and
+log live here); its commands run in the attempt's sandbox.
+
+Rule: never imports ``harness/`` (the harness drives the gateway, not the other way round).
 """
 
-from tslightning.rollout.gateway.harness_agent import HarnessAgent, HarnessError
-from tslightning.rollout.gateway.harness_process import HarnessConnection, HarnessProgram
-from tslightning.rollout.gateway.harness_trajectory import HarnessTrajectory
-from tslightning.rollout.gateway.openai_gateway import OpenAIGateway
+from tslightning.rollout.gateway.server import OpenAIGateway
+from tslightning.rollout.gateway.trajectory import HarnessTrajectory
 
-__all__ = ["HarnessAgent", "HarnessConnection", "HarnessError", "HarnessProgram", "HarnessTrajectory", "OpenAIGateway"]
+__all__ = ["HarnessTrajectory", "OpenAIGateway"]

@@ -13,11 +13,11 @@ attempt.
 **Limits.** An attempt answers at most ``max_turns`` calls and ``max_tokens_per_trajectory`` sampled tokens, each call
 at most ``max_tokens_per_turn`` (less if the caller asks), within ``max_context_tokens`` of context and a first prompt
 of at most ``max_prompt_tokens`` (Table 6, as the built-in agent loop). A call beyond a limit, or for an attempt that
-is closed or unknown, is refused with an OpenAI-format error (:mod:`~tslightning.rollout.gateway.openai_errors`) and
+is closed or unknown, is refused with an OpenAI-format error (:mod:`~tslightning.rollout.gateway.errors`) and
 the attempt's end reason records why the harness stopped.
 
 **Segments.** A call that does not continue its segment (:mod:`~tslightning.rollout.gateway.conversation`) opens a
-new one (:mod:`~tslightning.rollout.gateway.harness_trajectory` says how each segment is scored, under GRPO and OPD);
+new one (:mod:`~tslightning.rollout.gateway.trajectory` says how each segment is scored, under GRPO and OPD);
 a gateway made with ``allow_segments=False`` refuses it instead (``history_rewritten``) and the attempt ends there.
 """
 
@@ -34,8 +34,8 @@ from tslightning.rollout.agent_loop import AgentLimits, AgentTurn, TaskAttempt
 from tslightning.rollout.engine import Generation, GenerationRequest, sampling_seed
 from tslightning.rollout.gateway.attempt_log import AttemptLog
 from tslightning.rollout.gateway.conversation import ChatTokens, Continuation, SegmentContext
-from tslightning.rollout.gateway.harness_trajectory import HarnessTrajectory
-from tslightning.rollout.gateway.openai_errors import GatewayError
+from tslightning.rollout.gateway.errors import GatewayError
+from tslightning.rollout.gateway.trajectory import HarnessTrajectory
 
 __all__ = ["AttemptSession", "AttemptSessions", "TurnListener"]
 

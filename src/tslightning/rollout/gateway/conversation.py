@@ -12,7 +12,7 @@ rarely the canonical one). So a trajectory's context is kept as ids *and* as the
 * **Rewrite.** Otherwise the harness rewrote its history (summarised, dropped or edited a message, or its chat
   template re-renders earlier turns differently): the call starts a new segment whose prompt is the tokenization of
   its whole rendered text. Every sampled token keeps the context the server really saw it in (see
-  :mod:`tslightning.rollout.gateway.harness_trajectory` for how segments are scored).
+  :mod:`tslightning.rollout.gateway.trajectory` for how segments are scored).
 
 Token-id prompts (``/v1/completions`` with a list of ids) follow the same rule on ids directly.
 """
