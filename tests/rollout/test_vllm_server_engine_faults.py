@@ -118,7 +118,7 @@ def test_a_restarted_replica_receives_the_version_then_serves_again(dead, monkey
     joined = FakeTransport(engine, 0)
     checked: list[str] = []
     monkeypatch.setattr(server_engine, "server_problems", lambda url, expected, timeout_s: checked.append(url) or [])
-    monkeypatch.setattr(server_engine, "_join_transfer_groups", lambda urls, transport, timeout_s: [joined])
+    monkeypatch.setattr(server_engine.VLLMServerEngine, "_join", lambda self, url: joined)
     replicas.serving_now[0] = (1, "http://a:2/")  # generation 1, a new port
     engine.publish(STATE, 2)
     assert checked == ["http://a:2"] and engine.urls[0] == "http://a:2"
@@ -147,7 +147,7 @@ def test_a_restarted_replica_of_a_lora_run_gets_the_current_adapter_and_unloads_
     monkeypatch.setattr(server_engine, "write_adapter", lambda adapter, state, version: tmp_path / f"v{version}")
     monkeypatch.setattr(server_engine, "server_problems", lambda url, expected, timeout_s: [])
     monkeypatch.setattr(server_engine, "adapter_problems", lambda url, rank, timeout_s: [])
-    monkeypatch.setattr(server_engine, "_join_transfer_groups", lambda urls, transport, timeout_s: [FakeTransport()])
+    monkeypatch.setattr(server_engine.VLLMServerEngine, "_join", lambda self, url: FakeTransport())
     monkeypatch.setattr(
         server_engine, "publish_adapter", lambda url, path, version, previous, t: calls.append((url, version, previous))
     )

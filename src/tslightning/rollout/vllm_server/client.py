@@ -3,7 +3,7 @@
 :class:`ServerClient` wraps one server's base URL and a ``requests`` session (one per thread that uses it). Its
 policy, the same for every route:
 
-- a ``200`` answer is the route's JSON (``{}`` when the body is empty);
+- a ``200`` answer is the route's JSON (``{}`` when the body is empty or not JSON);
 - any other status raises :class:`ServerError`, naming the method, the URL, the status and the start of the body;
 - a connection that fails (refused, reset, timed out) raises ``requests``' own exception, unchanged: the caller
   decides whether a server that does not answer is a problem line, a lost replica or a failed publication.
@@ -140,4 +140,7 @@ class ServerClient:
     def _answer(self, method: str, response: Any) -> Any:
         if response.status_code != 200:
             raise ServerError(method, response.url, response.status_code, response.text)
-        return response.json() if response.content else {}
+        try:
+            return response.json() if response.content else {}
+        except ValueError:  # a route that answers in words (vLLM's LoRA routes: "Success: LoRA adapter ... added")
+            return {}
