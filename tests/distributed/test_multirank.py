@@ -1,4 +1,4 @@
-"""Several learner ranks through Fabric (2 CPU processes, gloo) against one process: the same update (SPEC §5).
+"""Several learner ranks through Fabric (2 CPU processes, gloo) against one process: the same update (App. G).
 
 Each strategy runs once as a script (``multirank_cases.py``) in a subprocess — Fabric's launcher re-runs the command
 line for rank 1 — covering several cases; the single-process reference is computed here.
@@ -23,7 +23,7 @@ CASES = ["grpo-sync", "grpo-thundersync", "opd-sync", "opd-thundersync"]
 BACKLOG_CASES = ["grpo-thundersync-backlog", "opd-thundersync-backlog", "grpo-thundersync-backlog-lora"]
 """Each rank serving its sources in padded passes of what is ready at once (``ingest_ready``)."""
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
-"""Relative error of the batch direction (SPEC §5)."""
+"""Relative error of the batch direction (App. G)."""
 PARAMETER_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-4}
 """Parameter gap relative to the step (Eq. 30). AdamW divides each coordinate by its own gradient scale, so float32
 rounding in coordinates whose gradient is nearly zero shows up at ~1e-5 of the step in float32."""

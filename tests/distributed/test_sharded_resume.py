@@ -1,4 +1,4 @@
-"""Sharded GPU-clock checkpoints on 2 gloo ranks (SPEC §4): a run killed after update 1 and resumed in a new process
+"""Sharded GPU-clock checkpoints on 2 gloo ranks: a run killed after update 1 and resumed in a new process
 ends with the uninterrupted run's parameters, bit for bit — FSDP2 in float64, DeepSpeed ZeRO-2 and ZeRO-3 in
 float32; FSDP2's checkpoint also resumes on 1 rank (resharded), DeepSpeed's only on the process count that wrote it.
 

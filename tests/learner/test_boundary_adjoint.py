@@ -1,7 +1,7 @@
 """Boundary-adjoint context backward (App. I): the same gradients as recomputing every context, at lower FLOPs.
 
 The GRPO shared-prefix and OPD turn-boundary learners are driven here with the exact accumulators the streaming
-module uses and compared with tests/reference.py, which recomputes each source's whole context (SPEC §2).
+module uses and compared with tests/reference.py, which recomputes each source's whole context (App. I).
 """
 
 from __future__ import annotations

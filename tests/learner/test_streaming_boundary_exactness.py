@@ -1,4 +1,4 @@
-"""The streaming module under ``context_backward="boundary"`` takes the batch-synchronous update (SPEC §2, App. I).
+"""The streaming module under ``context_backward="boundary"`` takes the batch-synchronous update (Sec. 3.4, App. I).
 
 Same protocol as test_streaming_exactness.py: one logical batch replayed in a random readiness order through the
 thundersync module with the boundary-adjoint context backward, against the sync module (the recompute baseline).

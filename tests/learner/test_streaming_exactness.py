@@ -1,4 +1,4 @@
-"""Exactness: the streamed update equals the batch-synchronous one and the paper's equations (SPEC §2, App. G)."""
+"""Exactness: the streamed update equals the batch-synchronous one and the paper's equations (Sec. 3.4, App. G)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def test_every_bad_entry_is_named_with_its_fix(tmp_path):
     assert problems[4] == "loggers[4] must be {class_path: ..., init_args: {...}}; got keys ['init_args']"
     if importlib.util.find_spec("mlflow") is None:
         (missing,) = logger_problems([{"class_path": "MLFlowLogger"}], tmp_path)
-        assert missing == "loggers[0] MLFlowLogger: needs the mlflow package: pip install 'tslightning[mlflow]'"
+        assert missing == "loggers[0] MLFlowLogger: needs the mlflow package: pip install -e '.[mlflow]'"
     assert list(tmp_path.iterdir()) == []  # checking builds nothing
 
 

@@ -60,9 +60,7 @@ def test_missing_ray_is_one_line_naming_the_launcher(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     problems = preflight.server_problems(RolloutSettings(engine="vllm_server", launcher="ray"))
-    assert problems == [
-        "rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or give rollout.server_urls instead"
-    ]
+    assert problems == ["rollout.launcher ray needs Ray: pip install -e '.[ray]', or give rollout.server_urls instead"]
 
 
 def test_an_address_where_no_cluster_answers_is_one_line_naming_it(tmp_path):

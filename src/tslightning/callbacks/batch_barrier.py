@@ -36,7 +36,7 @@ class BatchBarrier(UpdateCallback):
 
     Args:
         zero_staleness: Also require the batch plan and every served source to carry the learner's version k
-            (the ``sync`` and ``thundersync`` schedules, SPEC §3). Set ``False`` for schedules with policy lag, whose
+            (the ``sync`` and ``thundersync`` schedules, Sec. 3.3). Set ``False`` for schedules with policy lag, whose
             lag :class:`~tslightning.callbacks.StalenessMonitor` bounds instead.
     """
 

@@ -1,4 +1,4 @@
-"""How each Fabric strategy's learner state reaches an ``update-<k>`` checkpoint and comes back (SPEC §4).
+"""How each Fabric strategy's learner state reaches an ``update-<k>`` checkpoint and comes back.
 
 The module, optimizer and the rest of ``state.pt`` always go through the strategy's own ``save_checkpoint`` and come
 back through ``fabric.load``; what ``state.pt`` is on disk depends on the strategy (its *layout*):

@@ -1,4 +1,4 @@
-"""What one checkpoint holds, how it reaches disk atomically, and how a run resumes from it (SPEC §4).
+"""What one checkpoint holds, how it reaches disk atomically, and how a run resumes from it.
 
 Under a ``Trainer`` a GPU-clock checkpoint is Lightning's own ``update-<k>.ckpt`` (``trainer.save_checkpoint``;
 resume with ``trainer.fit(ckpt_path=...)``). In a Fabric loop it is a directory ``update-<k>`` written after update

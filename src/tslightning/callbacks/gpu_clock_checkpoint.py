@@ -1,4 +1,4 @@
-"""Checkpoints on a GPU-clock schedule, written only at optimizer boundaries (SPEC §4).
+"""Checkpoints on a GPU-clock schedule, written only at optimizer boundaries.
 
 GPU-clock is training wall clock × learner devices: with ``interval_s=3600`` (one GPU-hour) a run on 8 devices
 checkpoints every 7.5 minutes of wall clock, one on a single device every hour. A checkpoint becomes *due* when the
@@ -69,7 +69,7 @@ class GPUClockCheckpoint(UpdateCallback):
 
     Args:
         dirpath: Directory of the checkpoints (created when missing); under a Trainer any fsspec URL.
-        interval_s: GPU-clock seconds between checkpoints (SPEC §4: one hour × number of GPUs, i.e. 3600).
+        interval_s: GPU-clock seconds between checkpoints (one hour × number of GPUs, i.e. 3600).
         devices: Learner devices the wall clock is multiplied by; ``None`` uses the world size.
         keep_last: How many newest checkpoints to keep; ``None`` keeps all.
         clock: Monotonic seconds (patch it in tests).
@@ -97,7 +97,7 @@ class GPUClockCheckpoint(UpdateCallback):
         super().__init__()
         problems = []
         if not interval_s > 0:
-            problems.append(f"interval_s must be > 0 GPU-clock seconds (SPEC §4: 3600); got {interval_s}")
+            problems.append(f"interval_s must be > 0 GPU-clock seconds (3600: one GPU-hour); got {interval_s}")
         if devices is not None and (not isinstance(devices, int) or devices < 1):
             problems.append(f"devices must be an int >= 1 or None (the world size); got {devices!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):

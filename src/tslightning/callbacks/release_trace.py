@@ -1,4 +1,4 @@
-"""The release trace (SPEC §4, App. B/F): per source its ready time τ_j and learner service interval, per update the
+"""The release trace (App. B, F): per source its ready time τ_j and learner service interval, per update the
 rollout close R and the barrier and publication durations — the inputs of the replay c_j = max(τ_j, c_{j−1}) + p_j,
 T = max(R, c_n) + P (Eqs. 14-15), one lane per rank.
 

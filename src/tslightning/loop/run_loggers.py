@@ -112,7 +112,7 @@ def _spec_problem(spec: LoggerSpec, out_dir: Path) -> str | None:
         return str(error)
     package = _PACKAGES.get(cls.__name__)
     if package is not None and importlib.util.find_spec(package) is None:
-        return f"needs the {package} package: pip install 'tslightning[{package}]'"
+        return f"needs the {package} package: pip install -e '.[{package}]'"
     try:
         inspect.signature(cls).bind(**_with_directory(cls, spec.init_args, out_dir))
     except TypeError as error:

@@ -358,7 +358,7 @@ def shards_parameters(strategy: str) -> bool:
 
 @dataclass
 class CheckpointSettings:
-    """GPU-clock checkpoints (SPEC §4), each written at the next optimizer boundary; resume with ``--resume DIR``."""
+    """GPU-clock checkpoints, each written at the next optimizer boundary; resume with ``--resume DIR``."""
 
     interval_s: float = 3600.0
     """GPU-clock seconds between checkpoints: training wall clock × learner devices (one GPU-hour)."""

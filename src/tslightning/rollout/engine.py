@@ -1,4 +1,4 @@
-"""The rollout engine interface shared by the HF and vLLM engines (SPEC §3, App. D.2).
+"""The rollout engine interface shared by the HF and vLLM engines (App. D.2).
 
 An engine turns :class:`GenerationRequest` s into :class:`Generation` s with the exact sampled token ids and their
 log-probabilities under the serving policy, stamped with that policy's version. Requests are submitted one at a

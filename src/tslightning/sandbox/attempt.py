@@ -18,6 +18,7 @@ from tslightning.sandbox.file_tree import remove_tree
 from tslightning.sandbox.tree_copy import copy_tree
 
 Mount = Literal["app", "tests", "logs", "oracle"]
+"""An attempt directory's mount points: ``/app``, ``/tests``, ``/logs``, ``/oracle``."""
 
 MOUNT_POINTS: MappingProxyType[Mount, str] = MappingProxyType(
     {"app": "/app", "tests": "/tests", "logs": "/logs/verifier", "oracle": "/oracle"}

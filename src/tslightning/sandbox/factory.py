@@ -14,6 +14,7 @@ from tslightning.sandbox.live_environment import LiveBubblewrapSandbox
 from tslightning.sandbox.plain_subprocess import SubprocessSandbox
 
 Backend = Literal["bubblewrap", "docker", "podman", "subprocess"]
+"""The sandbox backends :func:`make_sandbox` builds (``sandbox.backend``)."""
 
 
 def make_sandbox(

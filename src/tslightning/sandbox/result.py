@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 LimitName = Literal["timeout", "memory", "disk", "file_size", "processes", "cpu", "output"]
+"""The limit that stopped or constrained a command (``CommandResult.limit_hit``)."""
 
 
 @dataclass(frozen=True)

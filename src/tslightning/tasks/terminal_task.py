@@ -4,7 +4,7 @@ A task directory::
 
     task-name/
     ├── instruction.md        the prompt the agent sees
-    ├── task.toml             limits and metadata (Harbor's schema: :mod:`~tslightning.tasks.harbor.task_config`)
+    ├── task.toml             limits and metadata (Harbor's schema, read by tasks/harbor/task_config.py)
     ├── environment/          the Dockerfile (or ``docker_image``) and the files it copies
     ├── tests/test.sh         the verifier; writes /logs/verifier/reward.txt or reward.json
     └── solution/solve.sh     the reference solution (required by validation, optional to load)

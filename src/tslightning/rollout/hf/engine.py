@@ -1,4 +1,4 @@
-"""The embedded CPU rollout engine: ``transformers`` replicas in their own processes (SPEC §3, App. D.2).
+"""The embedded CPU rollout engine: ``transformers`` replicas in their own processes (App. D.2).
 
 :class:`HFRolloutEngine` starts a rollout pool of ``replicas`` processes (``torch.multiprocessing``, spawn), so
 generation overlaps with the learner the way a separate GPU pool would. Each replica batches whatever requests are

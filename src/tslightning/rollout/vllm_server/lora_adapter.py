@@ -1,4 +1,4 @@
-"""Publication of a LoRA policy's adapter (not merged weights) into running vLLM servers (SPEC §3, App. D.2).
+"""Publication of a LoRA policy's adapter (not merged weights) into running vLLM servers (App. D.2).
 
 A LoRA run trains only the adapter; its base weights never change. So θ_0's base weights are published once with the
 weight-transfer protocol (:mod:`tslightning.rollout.vllm_server.publication`), and each later θ_k is the adapter

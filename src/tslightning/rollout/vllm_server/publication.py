@@ -1,4 +1,4 @@
-"""Publication of θ_k into running vLLM servers with vLLM's own weight-sync protocol (SPEC §3, App. D.2).
+"""Publication of θ_k into running vLLM servers with vLLM's own weight-sync protocol (App. D.2).
 
 Per server and per publication: ``POST /pause?mode=wait`` (requests already running finish at θ_{k-1}, nothing new
 is scheduled, the prefix cache is cleared) → the transfer, driven by vLLM's trainer-side weight-transfer engine

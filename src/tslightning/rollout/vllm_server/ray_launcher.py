@@ -318,7 +318,7 @@ def _connect(settings: RaySettings) -> tuple[Any, bool]:
         import ray
     except ImportError:
         raise ValueError(
-            "rollout.launcher ray needs Ray: pip install 'tslightning[ray]', or set rollout.launcher none and give "
+            "rollout.launcher ray needs Ray: pip install -e '.[ray]', or set rollout.launcher none and give "
             "rollout.server_urls"
         ) from None
     if settings.address not in (None, "auto"):
