@@ -96,12 +96,12 @@ def test_the_readme_is_short_and_its_test_command_is_what_ci_runs():
 
 
 def test_no_docs_page_runs_long_without_a_heading():
-    """A reader finds their way by the table of contents: no page goes ~650 words (code blocks aside) without one."""
+    """A reader finds their way by the table of contents: no page goes ~450 words (code blocks aside) without one."""
     long = {}
     for page in sorted((ROOT / "docs").glob("*.md")):
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         sections = re.split(r"^#{1,6} .*$", text, flags=re.M)
         words = max(len(section.split()) for section in sections)
-        if words > 650:
+        if words > 450:
             long[page.name] = words
     assert not long, f"split these pages' longest sections with headings: {long}"
