@@ -19,7 +19,6 @@ not a smaller one. :func:`teacher_problems` checks both, and the token-in route,
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 from tslightning.rollout.vllm_server.check import PROBE_TEXT
-from tslightning.rollout.vllm_server.client import ServerClient, ServerError
+from tslightning.rollout.vllm_server.client import ServerClient, ServerError, ThreadClients
 
 __all__ = ["TeacherServer", "teacher_problems"]
 
@@ -71,7 +70,7 @@ class TeacherServer:
             raise ValueError("; ".join(problems))
         self._timeout_s, self._closed = timeout_s, False
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="teacher-server")
-        self._local = threading.local()
+        self._clients = ThreadClients(timeout_s)
         self._sent = itertools.count()
 
     def submit(self, token_ids: torch.Tensor, scored_mask: torch.Tensor) -> Future[torch.Tensor]:
@@ -111,10 +110,9 @@ class TeacherServer:
     def _score(self, ids: list[int], positions: list[int], request_id: str) -> torch.Tensor:
         import requests
 
-        clients = self._local.__dict__.setdefault("clients", {})  # one session per thread and server
         for resend in itertools.count():
             generation, url = self._server()
-            server = clients.get(url) or clients.setdefault(url, ServerClient(url, self._timeout_s))
+            server = self._clients.of(url)
             try:
                 answer = server.generate(_score_body(ids, request_id))
             except ServerError as error:

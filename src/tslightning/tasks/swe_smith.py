@@ -4,7 +4,7 @@ One JSON object per line with SWE-smith's fields::
 
     instance_id        str, e.g. "oauthlib__oauthlib.1fd52536.combine_file__09vlzil6"
     repo               str, the SWE-smith mirror, e.g. "swesmith/oauthlib__oauthlib.1fd52536"
-    problem_statement  str, the issue text the agent sees (may be empty in the release: see static_filter)
+    problem_statement  str, the bug report the agent sees (may be empty in the release: see static_filter)
     patch              str, the *bug-inducing* diff, applied before the agent starts (App. C.1)
     FAIL_TO_PASS       list[str], tests the repair must fix
     PASS_TO_PASS       list[str], tests that must keep passing
@@ -49,7 +49,7 @@ class SweSmithInstance:
     Attributes:
         instance_id: Unique id of the instance.
         repo: The SWE-smith mirror repository (``swesmith/<owner>__<name>.<commit>``).
-        problem_statement: The issue text shown to the agent.
+        problem_statement: The bug report shown to the agent.
         patch: The bug-inducing diff applied before the agent starts.
         fail_to_pass: Tests that fail with the bug and must pass after the repair.
         pass_to_pass: Tests that pass with the bug and must still pass.

@@ -15,9 +15,10 @@ The weight-sync routes (``/pause``, ``/resume``, ``/weight_info``, ``/update_wei
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-__all__ = ["ServerClient", "ServerError"]
+__all__ = ["ServerClient", "ServerError", "ThreadClients"]
 
 
 class ServerError(RuntimeError):
@@ -144,3 +145,22 @@ class ServerClient:
             return response.json() if response.content else {}
         except ValueError:  # a route that answers in words (vLLM's LoRA routes: "Success: LoRA adapter ... added")
             return {}
+
+
+class ThreadClients:
+    """One :class:`ServerClient` per thread and server (a ``requests`` session is not shared between threads).
+
+    Args:
+        timeout_s: Seconds each call of the clients it makes may take.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def of(self, url: str) -> ServerClient:
+        """This thread's client of the server at ``url``."""
+        clients = self._local.__dict__.setdefault("clients", {})
+        if url not in clients:
+            clients[url] = ServerClient(url, self.timeout_s)
+        return clients[url]

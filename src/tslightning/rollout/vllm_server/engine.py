@@ -74,7 +74,7 @@ from tslightning.rollout.vllm_server.check import (
     server_problems,
     url_problems,
 )
-from tslightning.rollout.vllm_server.client import ServerClient, ServerError
+from tslightning.rollout.vllm_server.client import ServerError, ThreadClients
 from tslightning.rollout.vllm_server.generation import checked_generation, generate_body
 from tslightning.rollout.vllm_server.lora_adapter import (
     AdapterSpec,
@@ -154,7 +154,7 @@ class VLLMServerEngine(SharedServers, QueuedEngine):
         self._gate = threading.Condition()  # guards the fields below; publish waits on it for in-flight requests
         self._publishing, self._router = False, SessionRouter(len(self.urls), first=rank)
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="vllm-server-request")
-        self._local = threading.local()
+        self._clients = ThreadClients(timeout_s)
         self._sent = itertools.count()
         self.sharing = sharing
         if sharing == "follower":  # the publisher owns the transfer groups and published θ_0
@@ -397,8 +397,7 @@ class VLLMServerEngine(SharedServers, QueuedEngine):
         return self._router.send(request.session or request.request_id), self._policy_version, self._model
 
     def _post(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        clients = self._local.__dict__.setdefault("clients", {})  # one session per thread and server
-        server = clients.get(url) or clients.setdefault(url, ServerClient(url, self._timeout_s))
+        server = self._clients.of(url)
         try:
             return server.generate(body, resend=True)
         except requests.RequestException as error:
